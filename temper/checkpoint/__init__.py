@@ -1,0 +1,1 @@
+"""DCP checkpoints and Hugging Face conversion."""

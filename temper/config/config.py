@@ -1,0 +1,243 @@
+"""The typed config tree that a recipe returns and the CLI overrides.
+
+Every field has a type and a default; the docstring under a field is its `--help`
+text. `Config.validate()` checks the rules that span fields, before any model or
+process group exists, and names the offending field in its error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field."""
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Run folder: config.json, metrics.jsonl, TensorBoard logs and checkpoints go here."""
+    description: str = ""
+    """Free text, printed at start and saved with the config."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family, as registered with `temper.models.register_model`."""
+    flavor: str = "debug"
+    """Named size of the family (e.g. debug, 1b, 8b)."""
+    hf_path: str | None = None
+    """Local Hugging Face model folder to take weights and tokenizer from."""
+
+
+@dataclass
+class Training:
+    steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed for model init, data order and dropout."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on one rank."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks; -1 means local x dp
+    (no accumulation). Gradient accumulation = global / (local x dp)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype; auto = float32 on CPU, bfloat16 on CUDA."""
+    max_norm: float = 1.0
+    """Gradient clipping norm; 0 disables clipping."""
+    deterministic: bool = False
+    """Use deterministic algorithms (bitwise repeatable runs, slower on GPU)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["adamw"] = "adamw"
+    """Optimizer."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not norms or biases)."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    """Steps of linear warmup from 0 to the peak lr."""
+    decay: Literal["linear", "cosine", "wsd"] = "cosine"
+    """Shape after warmup; wsd holds the peak then decays linearly over decay_ratio."""
+    decay_ratio: float = 0.2
+    """wsd only: fraction of all steps spent in the final decay."""
+    min_lr_ratio: float = 0.0
+    """The lr at the last step, as a fraction of the peak."""
+
+
+@dataclass
+class Data:
+    path: str | None = None
+    """A .txt or .jsonl file, or a folder of them; None = the built-in synthetic tasks."""
+    text_field: str = "text"
+    """JSONL field holding a document's text."""
+    tokenizer_path: str | None = None
+    """tokenizer.json or a folder holding one; None = the built-in tokenizer."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Log every N steps (console, TensorBoard, metrics.jsonl)."""
+    tensorboard: bool = True
+    """Write TensorBoard events to <dump_folder>/tb."""
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = 1
+    """HSDP replica groups (data parallel, weights replicated)."""
+    dp_shard: int = -1
+    """FSDP shard degree; -1 = the rest of the world size."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save DCP checkpoints during training."""
+    interval: int = 500
+    """Save every N steps."""
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    data: Data = field(default_factory=Data)
+    metrics: Metrics = field(default_factory=Metrics)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise ConfigError naming the first field that breaks a rule."""
+        if world_size is None:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        _check_positive(self, "training.steps", "training.seq_len", "training.local_batch_size")
+        _check_positive(self, "optimizer.lr", "optimizer.eps", "metrics.log_freq")
+        _check_positive(self, "checkpoint.interval")
+        _check_range(self, "optimizer.beta1", 0.0, 1.0, right_open=True)
+        _check_range(self, "optimizer.beta2", 0.0, 1.0, right_open=True)
+        _check_range(self, "lr_scheduler.min_lr_ratio", 0.0, 1.0)
+        _check_range(self, "lr_scheduler.decay_ratio", 0.0, 1.0)
+        for name in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps"):
+            if _get(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {_get(self, name)}")
+        if self.lr_scheduler.warmup_steps > self.training.steps:
+            raise ConfigError(
+                f"lr_scheduler.warmup_steps ({self.lr_scheduler.warmup_steps}) exceeds "
+                f"training.steps ({self.training.steps})"
+            )
+        dp = self.data_parallel_size(world_size)
+        local, global_ = self.training.local_batch_size, self.training.global_batch_size
+        if global_ != -1 and (global_ <= 0 or global_ % (local * dp)):
+            raise ConfigError(
+                f"training.global_batch_size ({global_}) must be -1 or a positive multiple of "
+                f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
+            )
+        _check_model(self.model)
+        _check_not_yet_available(self)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that see different data: the world divided by the non-data degrees."""
+        p = self.parallelism
+        for name in ("dp_replicate", "sp", "ep"):
+            if getattr(p, name) < 1:
+                raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(p, name)}")
+        if p.dp_shard == 0 or p.dp_shard < -1:
+            raise ConfigError(f"parallelism.dp_shard must be -1 or >= 1, got {p.dp_shard}")
+        if world_size % (p.dp_replicate * p.sp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallelism.dp_replicate x "
+                f"parallelism.sp ({p.dp_replicate} x {p.sp})"
+            )
+        dp_shard = world_size // (p.dp_replicate * p.sp) if p.dp_shard == -1 else p.dp_shard
+        if p.dp_replicate * dp_shard * p.sp != world_size:
+            raise ConfigError(
+                f"parallelism.dp_replicate x dp_shard x sp = {p.dp_replicate} x {dp_shard} x "
+                f"{p.sp} does not equal the world size {world_size}"
+            )
+        return p.dp_replicate * dp_shard
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        dp = self.data_parallel_size(world_size)
+        local = self.training.local_batch_size
+        global_ = self.training.global_batch_size
+        return 1 if global_ == -1 else global_ // (local * dp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _get(config: Config, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def _check_positive(config: Config, *names: str) -> None:
+    for name in names:
+        if _get(config, name) <= 0:
+            raise ConfigError(f"{name} must be > 0, got {_get(config, name)}")
+
+
+def _check_range(
+    config: Config, name: str, low: float, high: float, right_open: bool = False
+) -> None:
+    value = _get(config, name)
+    if not low <= value <= high or (right_open and value == high):
+        bracket = ")" if right_open else "]"
+        raise ConfigError(f"{name} must be in [{low}, {high}{bracket}, got {value}")
+
+
+def _check_model(model: Model) -> None:
+    from temper.models import get_model_spec, model_names
+
+    if model.name not in model_names():
+        raise ConfigError(
+            f"model.name {model.name!r} is not a registered model; choose one of "
+            f"{', '.join(model_names())}"
+        )
+    flavors = get_model_spec(model.name).flavors
+    if model.flavor not in flavors:
+        raise ConfigError(
+            f"model.flavor {model.flavor!r} is not a flavor of {model.name}; choose one of "
+            f"{', '.join(flavors)}"
+        )
+
+
+def _check_not_yet_available(config: Config) -> None:
+    """Reserved fields whose features are not built yet must not be silently ignored."""
+    unavailable = {
+        "model.hf_path": config.model.hf_path is not None,
+        "parallelism.sp": config.parallelism.sp != 1,
+        "parallelism.ep": config.parallelism.ep != 1,
+        "checkpoint.enable": config.checkpoint.enable,
+    }
+    for name, is_set in unavailable.items():
+        if is_set:
+            raise ConfigError(
+                f"{name} = {_get(config, name)!r}: this feature is not available in this "
+                "version of temper yet; leave the field at its default"
+            )

@@ -1,0 +1,115 @@
+"""Recipe loading: import a module, call its recipe function, apply typed CLI overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import sys
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import tyro
+
+from temper.config.config import Config, ConfigError
+
+
+def load_config(module: str, function: str, argv: Sequence[str] = ()) -> Config:
+    """Build the run's Config: `module.function()` with `argv` overrides, validated.
+
+    The recipe's result is the default of every flag, so `--help` shows the recipe's
+    values. Sections that a recipe replaced by a subclass (a `Training` with an extra
+    knob, say) are parsed as that subclass, so their extra fields get flags too.
+    """
+    recipe = _find_recipe(_import_recipe_module(module), module, function)
+    config = recipe()
+    if not isinstance(config, Config):
+        raise ConfigError(
+            f"recipe {module}.{function} returned {type(config).__name__}, not a temper Config"
+        )
+    cli_type = _runtime_typed(type(config), config)
+    parsed = tyro.cli(
+        cli_type,
+        default=cli_type(**_sections(config)),
+        args=list(argv),
+        prog=f"{module}:{function}",
+        description=(inspect.getdoc(recipe) or f"Recipe {module}.{function}"),
+        use_underscores=True,
+    )
+    config = type(config)(**_sections(parsed))
+    config.validate()
+    return config
+
+
+def save_config(config: Config, folder: str | os.PathLike[str]) -> Path:
+    """Write the resolved config as JSON into the run folder and return its path."""
+    path = Path(folder) / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    return path
+
+
+def _import_recipe_module(module: str) -> ModuleType:
+    # A user's recipe module usually sits in the folder they launch from.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is not None and module.startswith(err.name):
+            raise ConfigError(
+                f"recipe module {module!r} not found (MODULE / --module); built-in recipe "
+                f"modules: {', '.join(builtin_recipe_modules())}"
+            ) from err
+        raise
+
+
+def _find_recipe(mod: ModuleType, module: str, function: str):
+    recipe = getattr(mod, function, None)
+    if not callable(recipe):
+        choices = recipe_names(mod)
+        raise ConfigError(
+            f"module {module!r} has no recipe function {function!r} (CONFIG / --config); "
+            f"recipes there: {', '.join(choices) or 'none'}"
+        )
+    return recipe
+
+
+def recipe_names(mod: ModuleType) -> list[str]:
+    """Public zero-argument functions of a module whose return annotation is a Config."""
+    names = []
+    for name, obj in vars(mod).items():
+        if name.startswith("_") or not inspect.isfunction(obj):
+            continue
+        hints = inspect.get_annotations(obj, eval_str=False).get("return")
+        if hints in (Config, "Config") or (isinstance(hints, type) and issubclass(hints, Config)):
+            names.append(name)
+    return sorted(names)
+
+
+def builtin_recipe_modules() -> list[str]:
+    folder = Path(__file__).resolve().parent.parent / "recipes"
+    return sorted(
+        f"temper.recipes.{p.stem}" for p in folder.glob("*.py") if not p.stem.startswith("_")
+    )
+
+
+def _sections(config: Config) -> dict[str, object]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _runtime_typed(config_type: type[Config], config: Config) -> type[Config]:
+    """A subclass of the config type whose section annotations are the runtime types."""
+    declared = typing.get_type_hints(config_type)
+    overrides = [
+        (name, type(section), dataclasses.field(default_factory=type(section)))
+        for name, section in _sections(config).items()
+        if type(section) is not declared[name]
+    ]
+    if not overrides:
+        return config_type
+    return dataclasses.make_dataclass(config_type.__name__, overrides, bases=(config_type,))

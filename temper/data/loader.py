@@ -1,0 +1,72 @@
+"""Batches from a stateful row dataset; checkpointing the loader checkpoints the dataset."""
+
+import itertools
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from temper.data.text import TextDataset
+from temper.data.tokenizer import Tokenizer
+
+
+class StatefulDataset(Protocol):
+    """Rows of equal-shaped tensors whose position is saved and restored by state dict."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class BatchLoader:
+    """Stacks ``batch_size`` consecutive rows; a finite dataset ends at its last full batch.
+
+    The position lives in the dataset, so after ``load_state_dict`` the next batch is exactly
+    the one the saved run would have produced next.
+    """
+
+    def __init__(self, dataset: StatefulDataset, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        rows = iter(self.dataset)
+        while True:
+            batch = list(itertools.islice(rows, self.batch_size))
+            if len(batch) < self.batch_size:
+                return
+            yield {key: torch.stack([row[key] for row in batch]) for key in batch[0]}
+
+    def state_dict(self) -> dict:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state)
+
+
+def build_text_loader(
+    tokenizer: Tokenizer,
+    seq_len: int,
+    batch_size: int,
+    *,
+    path: str | None = None,
+    text_field: str = "text",
+    seed: int = 0,
+    dp_rank: int = 0,
+    dp_world: int = 1,
+) -> BatchLoader:
+    """The pretraining loader for one DP rank: synthetic tasks (path None) or text files."""
+    dataset = TextDataset(
+        tokenizer,
+        seq_len,
+        path=path,
+        text_field=text_field,
+        seed=seed,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+    )
+    return BatchLoader(dataset, batch_size)

@@ -1,0 +1,107 @@
+"""One tokenizer type for the built-in asset and Hugging Face ``tokenizer.json`` files."""
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import tokenizers
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` with the ids that packing and padding need.
+
+    ``encode`` adds no special tokens; the data pipeline places EOS itself. Text that spells
+    an added token (e.g. ``<|endoftext|>``) still encodes to that token's single id, which
+    chat templates rely on.
+    """
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        eos_token: str = EOS_TOKEN,
+        pad_token: str | None = None,
+    ) -> None:
+        # A tokenizer.json may carry truncation or padding settings meant for inference;
+        # packing needs every document whole.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        self._tokenizer = tokenizer
+        self.eos_id = self._require_id(eos_token)
+        self.pad_id = None if pad_token is None else self._require_id(pad_token)
+
+    def _require_id(self, token: str) -> int:
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"token {token!r} is not in the tokenizer's vocabulary")
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens, added (special) tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # the Rust side raises a bare Exception
+        raise ValueError(f"{path}: not a valid tokenizer.json ({error})") from None
+
+
+def _config_token(config: dict, key: str, config_path: Path) -> str | None:
+    """A token from tokenizer_config.json, written either as a string or {"content": ...}."""
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{config_path}: {key} must be a string or {{'content': ...}}")
+    return value
+
+
+def _default_token(raw: tokenizers.Tokenizer, token: str) -> str | None:
+    return token if raw.token_to_id(token) is not None else None
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """Load the built-in tokenizer (None), a ``tokenizer.json`` file, or an HF folder.
+
+    In a folder, EOS and pad come from ``tokenizer_config.json`` when it names them;
+    otherwise EOS is ``<|endoftext|>`` and pad is ``<|pad|>`` when in the vocabulary.
+    """
+    if path is None:
+        asset = resources.files("temper.assets").joinpath("tokenizer.json")
+        return Tokenizer(tokenizers.Tokenizer.from_str(asset.read_text()), EOS_TOKEN, PAD_TOKEN)
+
+    target = Path(path)
+    tokenizer_path = target / "tokenizer.json" if target.is_dir() else target
+    raw = _read_tokenizer(tokenizer_path)
+    eos = _default_token(raw, EOS_TOKEN)
+    pad = _default_token(raw, PAD_TOKEN)
+    config_path = target / "tokenizer_config.json"
+    if target.is_dir() and config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as error:
+            raise ValueError(f"{config_path}: invalid JSON ({error})") from None
+        eos = _config_token(config, "eos_token", config_path) or eos
+        pad = _config_token(config, "pad_token", config_path) or pad
+    if eos is None:
+        raise ValueError(
+            f"{tokenizer_path}: no EOS token: the vocabulary has no {EOS_TOKEN!r} and no "
+            "tokenizer_config.json beside it names an eos_token"
+        )
+    try:
+        return Tokenizer(raw, eos, pad)
+    except ValueError as error:
+        raise ValueError(f"{tokenizer_path}: {error}") from None

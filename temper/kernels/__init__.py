@@ -1,0 +1,1 @@
+"""Fused ops, each beside a plain-PyTorch reference that CPU tests compare against."""

@@ -1,0 +1,69 @@
+"""Model families by name, so configs and user modules can name or add them."""
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model family: its named argument sets and the module built from one of them.
+
+    Later issues add ``parallelize_fn`` and ``hf_adapter``.
+    """
+
+    name: str
+    flavors: Mapping[str, Any]
+    model_cls: type[nn.Module]
+
+
+_SPECS: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec) -> ModelSpec:
+    """Add a family; a name can be registered once."""
+    if spec.name in _SPECS:
+        raise ValueError(f"model {spec.name!r} is already registered")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    if name not in _SPECS:
+        raise ValueError(f"unknown model {name!r}; registered models: {', '.join(model_names())}")
+    return _SPECS[name]
+
+
+def model_names() -> list[str]:
+    return sorted(_SPECS)
+
+
+def build_model(
+    name: str,
+    flavor: str,
+    *,
+    device: torch.device | str = "meta",
+    vocab_size: int | None = None,
+) -> nn.Module:
+    """Build a flavor on the meta device; on any other device also allocate and init weights.
+
+    ``vocab_size`` replaces the flavor's, e.g. to fit a tokenizer.
+    """
+    spec = get_model_spec(name)
+    if flavor not in spec.flavors:
+        raise ValueError(
+            f"unknown flavor {flavor!r} for model {name!r}; flavors: {', '.join(spec.flavors)}"
+        )
+    args = spec.flavors[flavor]
+    if vocab_size is not None:
+        args = dataclasses.replace(args, vocab_size=vocab_size)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model

@@ -1,0 +1,6 @@
+"""Optimizers and learning-rate schedules."""
+
+from temper.optim.lr_schedule import build_lr_scheduler, lr_factor
+from temper.optim.optimizer import build_optimizer
+
+__all__ = ["build_lr_scheduler", "build_optimizer", "lr_factor"]

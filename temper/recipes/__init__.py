@@ -1,0 +1,1 @@
+"""Verified recipes: plain functions returning a Config, one module per model family."""

@@ -1,0 +1,44 @@
+"""Entry point: `python -m temper.train --module M --config C [--section.field value ...]`.
+
+`run_train.sh` launches this under torchrun. Everything after the two recipe
+options is a typed override of the recipe's config (see `--help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from temper.config import ConfigError, load_config
+
+DEFAULT_MODULE = "temper.recipes.llama3"
+DEFAULT_CONFIG = "llama3_debug"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--module", default=DEFAULT_MODULE)
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    known, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(known.module, known.config, overrides)
+    except ConfigError as err:
+        print(f"temper: config error: {err}", file=sys.stderr)
+        return 2
+
+    from temper.trainer import Trainer
+    from temper.utils.device import shutdown_runtime
+
+    try:
+        Trainer(config).train()
+    except ConfigError as err:
+        print(f"temper: config error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown_runtime()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Training metrics: one console line, TensorBoard scalars and metrics.jsonl, from rank 0."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+
+class MetricsLogger:
+    """Writes each logged step to the console, `<dump>/tb` and `<dump>/metrics.jsonl`."""
+
+    def __init__(self, dump_folder: str | Path, *, tensorboard: bool, enabled: bool) -> None:
+        self.enabled = enabled
+        self._jsonl: IO[str] | None = None
+        self._tb = None
+        if not enabled:
+            return
+        folder = Path(dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (folder / "metrics.jsonl").open("w")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(folder / "tb"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record: dict[str, Any] = {"step": step, **metrics}
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for name, value in metrics.items():
+                self._tb.add_scalar(name, value, step)
+        print(format_line(record), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_line(record: dict[str, Any]) -> str:
+    eta = record.get("eta_seconds", 0.0)
+    return (
+        f"step {record['step']:>6}  loss {record['loss']:.4f}  "
+        f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+        f"tok/s {record['tokens_per_second']:,.0f}  tflops {record['tflops']:.2f}  "
+        f"mfu {record['mfu']:.1f}%  mem {record['memory_gib']:.2f}GiB  "
+        f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}"
+    )
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocator peak on CUDA, max resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class Throughput:
+    """Tokens/s, TFLOP/s, MFU and ETA over the steps since the last log."""
+
+    def __init__(self, flops_per_token: float, peak_flops: float | None, total_steps: int) -> None:
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.total_steps = total_steps
+        self._tokens = 0
+        self._start = time.perf_counter()
+        self._train_start = self._start
+
+    def add_tokens(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def measure(self, step: int, first_step: int = 1) -> dict[str, float]:
+        """Rates since the previous call; `step` is the last finished step."""
+        now = time.perf_counter()
+        elapsed = max(now - self._start, 1e-9)
+        tokens_per_second = self._tokens / elapsed
+        flops = self.flops_per_token * tokens_per_second
+        per_step = (now - self._train_start) / max(step - first_step + 1, 1)
+        self._tokens, self._start = 0, now
+        return {
+            "tokens_per_second": tokens_per_second,
+            "tflops": flops / 1e12,
+            "mfu": 100.0 * flops / self.peak_flops if self.peak_flops else 0.0,
+            "eta_seconds": per_step * (self.total_steps - step),
+        }

@@ -1,0 +1,1 @@
+"""Small helpers shared by every layer: device choice, peak FLOP/s."""

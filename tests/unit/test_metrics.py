@@ -1,0 +1,80 @@
+"""Peak FLOP/s lookup and cache, throughput arithmetic and the metrics files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from temper.trainer import metrics as metrics_module
+from temper.trainer.metrics import MetricsLogger, Throughput
+from temper.utils import peak_flops as peak_module
+from temper.utils.peak_flops import cpu_peak_flops, gpu_peak_flops
+
+
+def test_gpu_table_prefers_the_specific_name() -> None:
+    assert gpu_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert gpu_peak_flops("NVIDIA H200", torch.float32) == 67e12
+    assert gpu_peak_flops("NVIDIA GB200", torch.bfloat16) == 2.5e15
+    assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None
+
+
+def test_cpu_probe_runs_once_then_reads_the_cache(tmp_path, monkeypatch) -> None:
+    calls = []
+
+    def fake_probe(dtype: torch.dtype) -> float:
+        calls.append(dtype)
+        return 123e9
+
+    monkeypatch.setattr(peak_module, "_measure_matmul_flops", fake_probe)
+    cache = tmp_path / "peak.json"
+    assert cpu_peak_flops(torch.float32, cache) == 123e9
+    assert cpu_peak_flops(torch.float32, cache) == 123e9
+    assert calls == [torch.float32]
+    assert list(json.loads(cache.read_text()).values()) == [123e9]
+
+
+def test_real_probe_measures_a_positive_rate() -> None:
+    # 2 n^3 flops over a measured time: positive and below an absurd 1 PFLOP/s on a CPU.
+    assert 0 < peak_module._measure_matmul_flops(torch.float32, n=128, repeats=2) < 1e15
+
+
+def test_throughput_arithmetic(monkeypatch) -> None:
+    clock = iter([100.0, 102.0])
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
+    throughput = Throughput(flops_per_token=1e9, peak_flops=4e12, total_steps=10)
+    throughput.add_tokens(4000)
+    rates = throughput.measure(step=2)
+    assert rates["tokens_per_second"] == pytest.approx(2000.0)
+    assert rates["tflops"] == pytest.approx(2.0)  # 1e9 flops/token x 2000 tokens/s
+    assert rates["mfu"] == pytest.approx(50.0)
+    assert rates["eta_seconds"] == pytest.approx(8.0)  # 1 s/step x 8 steps left
+
+
+def test_logger_writes_jsonl_and_console(tmp_path, capsys) -> None:
+    logger = MetricsLogger(tmp_path, tensorboard=True, enabled=True)
+    row = {
+        "loss": 2.5,
+        "grad_norm": 0.5,
+        "lr": 1e-3,
+        "tokens_per_second": 1000.0,
+        "tflops": 0.1,
+        "mfu": 5.0,
+        "memory_gib": 1.0,
+        "eta_seconds": 61.0,
+    }
+    logger.log(3, row)
+    logger.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 3, **row}
+    assert any((tmp_path / "tb").iterdir())
+    line = capsys.readouterr().out
+    assert "step      3  loss 2.5000" in line and "eta 00:01:01" in line
+
+
+def test_disabled_logger_writes_nothing(tmp_path) -> None:
+    logger = MetricsLogger(tmp_path / "run", tensorboard=True, enabled=False)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "run").exists()
