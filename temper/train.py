@@ -7,6 +7,7 @@ options is a typed override of the recipe's config (see `--help`).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -20,12 +21,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--module", default=DEFAULT_MODULE)
     parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument(
+        "--check_only",
+        action="store_true",
+        help="load and validate the config, print it, and exit (run_train.sh's pre-flight)",
+    )
     known, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(known.module, known.config, overrides)
     except ConfigError as err:
         print(f"temper: config error: {err}", file=sys.stderr)
         return 2
+    if known.check_only:
+        print(json.dumps(config.to_dict(), indent=2))
+        return 0
 
     from temper.trainer import Trainer
     from temper.utils.device import shutdown_runtime

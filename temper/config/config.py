@@ -145,11 +145,6 @@ class Config:
         for name in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps"):
             if _get(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {_get(self, name)}")
-        if self.lr_scheduler.warmup_steps > self.training.steps:
-            raise ConfigError(
-                f"lr_scheduler.warmup_steps ({self.lr_scheduler.warmup_steps}) exceeds "
-                f"training.steps ({self.training.steps})"
-            )
         dp = self.data_parallel_size(world_size)
         local, global_ = self.training.local_batch_size, self.training.global_batch_size
         if global_ != -1 and (global_ <= 0 or global_ % (local * dp)):

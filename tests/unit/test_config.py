@@ -140,7 +140,7 @@ def test_help_groups_fields_with_types_and_defaults(capsys) -> None:
         ("optimizer.lr", -1.0, "optimizer.lr must be > 0"),
         ("optimizer.beta2", 1.0, r"optimizer.beta2 must be in \[0.0, 1.0\)"),
         ("lr_scheduler.min_lr_ratio", 1.5, "lr_scheduler.min_lr_ratio must be in"),
-        ("lr_scheduler.warmup_steps", 500, "lr_scheduler.warmup_steps \\(500\\) exceeds"),
+        ("lr_scheduler.warmup_steps", -1, "lr_scheduler.warmup_steps must be >= 0"),
         ("training.max_norm", -1.0, "training.max_norm must be >= 0"),
         ("metrics.log_freq", 0, "metrics.log_freq must be > 0"),
         ("model.flavor", "9b", "model.flavor '9b' is not a flavor of llama3; choose one of"),

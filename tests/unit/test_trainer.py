@@ -1,0 +1,116 @@
+"""The training step against a hand-written reference: accumulation, normalization, guards."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from temper.config import Config, Job, LRScheduler, Metrics, Model, Training
+from temper.objectives import IGNORE_INDEX
+from temper.trainer import NonFiniteError, Trainer
+from temper.utils.device import Runtime
+
+CPU = Runtime(device=torch.device("cpu"), rank=0, local_rank=0, world_size=1)
+
+
+def tiny_config(tmp_path, **training) -> Config:
+    return Config(
+        job=Job(dump_folder=str(tmp_path)),
+        model=Model(name="llama3", flavor="debug"),
+        training=Training(**{"steps": 3, "seq_len": 16, "local_batch_size": 2, **training}),
+        lr_scheduler=LRScheduler(warmup_steps=1),
+        metrics=Metrics(tensorboard=False),
+    )
+
+
+def batch(seed: int, n_ignored: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 600, (2, 17), generator=gen)
+    labels = ids[:, 1:].clone()
+    labels[0, :n_ignored] = IGNORE_INDEX
+    return {"input_ids": ids[:, :-1], "labels": labels}
+
+
+def test_step_loss_and_gradients_match_one_big_batch(tmp_path) -> None:
+    trainer = Trainer(tiny_config(tmp_path, max_norm=0.0), runtime=CPU)
+    reference = copy.deepcopy(trainer.model)
+    # Uneven masking: a mean of per-micro-batch means would differ from the token mean.
+    micro = [batch(1, n_ignored=12), batch(2, n_ignored=0)]
+
+    ids = torch.cat([mb["input_ids"] for mb in micro])
+    labels = torch.cat([mb["labels"] for mb in micro])
+    expected = F.cross_entropy(reference(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    expected.backward()
+    expected_norm = torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in reference.parameters()])
+    )
+
+    metrics = trainer.train_step(micro)
+    assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(expected_norm.item(), rel=1e-5)
+
+
+def test_clipping_bounds_the_update(tmp_path) -> None:
+    clipped = Trainer(tiny_config(tmp_path, max_norm=1e-3), runtime=CPU)
+    before = [p.detach().clone() for p in clipped.model.parameters()]
+    clipped.optimizer.param_groups[0]["weight_decay"] = 0.0
+    metrics = clipped.train_step([batch(3, n_ignored=0)])
+    assert metrics["grad_norm"] > 1e-3  # the reported norm is the one before clipping
+    grads_seen = [
+        state["exp_avg"] / (1 - clipped.config.optimizer.beta1)
+        for p in clipped.model.parameters()
+        if (state := clipped.optimizer.state[p])
+    ]
+    clipped_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads_seen]))
+    assert clipped_norm.item() == pytest.approx(1e-3, rel=1e-4)
+    assert any(
+        not torch.equal(a, b) for a, b in zip(before, clipped.model.parameters(), strict=True)
+    )
+
+
+def test_non_finite_loss_stops_without_an_update(tmp_path) -> None:
+    trainer = Trainer(tiny_config(tmp_path), runtime=CPU)
+    with torch.no_grad():
+        trainer.model.norm.weight[0] = float("nan")
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(NonFiniteError, match="step 1: loss nan"):
+        trainer.train_step([batch(4, n_ignored=0)])
+    after = list(trainer.model.parameters())
+    assert all(
+        torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after, strict=True)
+    )
+    assert not trainer.optimizer.state  # AdamW never stepped
+
+
+def test_accumulation_equals_the_big_batch_run(tmp_path) -> None:
+    """4 sequences per step as 1 x 4 or as 2 x 2 accumulated: the same training run."""
+    big = Trainer(tiny_config(tmp_path / "big", local_batch_size=4), runtime=CPU)
+    big.train()
+    acc = Trainer(
+        tiny_config(tmp_path / "acc", local_batch_size=2, global_batch_size=4), runtime=CPU
+    )
+    assert acc.grad_accum == 2
+    acc.train()
+    rows = [
+        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("big", "acc")
+    ]
+    assert [r["step"] for r in rows[1]] == [1, 2, 3]
+    for a, b in zip(*rows, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_deterministic_runs_repeat_bitwise(tmp_path) -> None:
+    losses = []
+    for name in ("a", "b"):
+        trainer = Trainer(tiny_config(tmp_path / name, deterministic=True), runtime=CPU)
+        trainer.train()
+        text = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses.append([json.loads(line)["loss"] for line in text])
+    torch.use_deterministic_algorithms(False)
+    assert losses[0] == losses[1]
