@@ -32,7 +32,8 @@ class Model:
     flavor: str = "debug"
     """Named size of the family (e.g. debug, 1b, 8b)."""
     hf_path: str | None = None
-    """Local Hugging Face model folder to take weights and tokenizer from."""
+    """Local Hugging Face folder: its config.json sets the family and sizes (name and
+    flavor are then ignored), its safetensors the weights, its tokenizer.json the tokenizer."""
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Data:
     text_field: str = "text"
     """JSONL field holding a document's text."""
     tokenizer_path: str | None = None
-    """tokenizer.json or a folder holding one; None = the built-in tokenizer."""
+    """tokenizer.json or a folder holding one; None = model.hf_path's, else the built-in."""
 
 
 @dataclass
@@ -208,6 +209,14 @@ def _check_range(
 
 def _check_model(model: Model) -> None:
     from temper.models import get_model_spec, model_names
+    from temper.models.hf import read_hf_args
+
+    if model.hf_path is not None:
+        try:
+            read_hf_args(model.hf_path)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.hf_path: {err}") from err
+        return
 
     if model.name not in model_names():
         raise ConfigError(
@@ -225,7 +234,6 @@ def _check_model(model: Model) -> None:
 def _check_not_yet_available(config: Config) -> None:
     """Reserved fields whose features are not built yet must not be silently ignored."""
     unavailable = {
-        "model.hf_path": config.model.hf_path is not None,
         "parallelism.sp": config.parallelism.sp != 1,
         "parallelism.ep": config.parallelism.ep != 1,
         "checkpoint.enable": config.checkpoint.enable,

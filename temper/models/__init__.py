@@ -1,6 +1,15 @@
 """Native model families; importing this package registers the built-in ones."""
 
 from temper.models import llama3 as llama3
+from temper.models.hf import (
+    HFAdapter,
+    KeyRule,
+    build_hf_model,
+    load_hf,
+    load_hf_weights,
+    materialize,
+    save_hf,
+)
 from temper.models.registry import (
     ModelSpec,
     build_model,
@@ -9,4 +18,17 @@ from temper.models.registry import (
     register_model,
 )
 
-__all__ = ["ModelSpec", "build_model", "get_model_spec", "model_names", "register_model"]
+__all__ = [
+    "HFAdapter",
+    "build_hf_model",
+    "materialize",
+    "KeyRule",
+    "load_hf",
+    "load_hf_weights",
+    "save_hf",
+    "ModelSpec",
+    "build_model",
+    "get_model_spec",
+    "model_names",
+    "register_model",
+]

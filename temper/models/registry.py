@@ -3,22 +3,26 @@
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from temper.models.hf import HFAdapter
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """A model family: its named argument sets and the module built from one of them.
 
-    Later issues add ``parallelize_fn`` and ``hf_adapter``.
+    ``hf_adapter`` (a ``temper.models.hf.HFAdapter``) reads and writes HF folders.
     """
 
     name: str
     flavors: Mapping[str, Any]
     model_cls: type[nn.Module]
+    hf_adapter: "HFAdapter | None" = None
 
 
 _SPECS: dict[str, ModelSpec] = {}
@@ -40,6 +44,10 @@ def get_model_spec(name: str) -> ModelSpec:
 
 def model_names() -> list[str]:
     return sorted(_SPECS)
+
+
+def all_model_specs() -> list[ModelSpec]:
+    return [_SPECS[name] for name in model_names()]
 
 
 def build_model(
@@ -64,6 +72,7 @@ def build_model(
     with torch.device("meta"):
         model = spec.model_cls(args)
     if torch.device(device).type != "meta":
-        model.to_empty(device=device)
-        model.init_weights()
+        from temper.models.hf import materialize
+
+        materialize(model, device)
     return model

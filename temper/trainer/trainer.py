@@ -6,10 +6,11 @@ import contextlib
 import math
 
 import torch
+from torch import nn
 
 from temper.config import Config, ConfigError, save_config
 from temper.data import BatchLoader, Tokenizer, build_text_loader, load_tokenizer
-from temper.models import build_model
+from temper.models import build_hf_model, build_model, materialize
 from temper.objectives import CausalLM, Objective, count_tokens
 from temper.objectives.causal_lm import Batch
 from temper.optim import build_lr_scheduler, build_optimizer
@@ -34,9 +35,10 @@ class Trainer:
         self.dtype = resolve_dtype(config.training.dtype, self.device)
         seed_everything(config.training.seed, config.training.deterministic)
 
-        self.tokenizer = load_tokenizer(config.data.tokenizer_path)
-        self.model = build_model(config.model.name, config.model.flavor, device=self.device)
-        _check_vocab(self.tokenizer, self.model.tok_embeddings.num_embeddings, config)
+        self.tokenizer = load_tokenizer(config.data.tokenizer_path or config.model.hf_path)
+        model = build_meta_model(config)
+        _check_vocab(self.tokenizer, model.tok_embeddings.num_embeddings, config)
+        self.model = materialize(model, self.device, config.model.hf_path)
         self.objective: Objective = CausalLM()
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(
@@ -135,9 +137,16 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
 
+def build_meta_model(config: Config) -> nn.Module:
+    """The run's architecture on meta: from `model.hf_path`'s config.json, else the flavor."""
+    if config.model.hf_path is not None:
+        return build_hf_model(config.model.hf_path)
+    return build_model(config.model.name, config.model.flavor)
+
+
 def _check_vocab(tokenizer: Tokenizer, model_vocab: int, config: Config) -> None:
     if tokenizer.vocab_size > model_vocab:
         raise ConfigError(
-            f"data.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but "
-            f"model {config.model.name}/{config.model.flavor} embeds only {model_vocab}"
+            f"data.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but the "
+            f"model ({config.model.hf_path or config.model.flavor}) embeds only {model_vocab}"
         )

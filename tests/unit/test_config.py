@@ -157,12 +157,15 @@ def test_validate_names_the_field(field: str, value: object, message: str) -> No
         config.validate(world_size=1)
 
 
-@pytest.mark.parametrize(
-    "flag", [["--model.hf_path", "/tmp"], ["--parallelism.ep", "2"], ["--checkpoint.enable"]]
-)
+@pytest.mark.parametrize("flag", [["--parallelism.ep", "2"], ["--checkpoint.enable"]])
 def test_reserved_fields_are_rejected_not_ignored(flag: list[str]) -> None:
     with pytest.raises(ConfigError, match=f"{flag[0][2:]} = .* not available"):
         load_config(MODULE, RECIPE, flag)
+
+
+def test_hf_path_without_a_config_is_named(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"model.hf_path: .*config.json: HF model config not"):
+        load_config(MODULE, RECIPE, ["--model.hf_path", str(tmp_path)])
 
 
 def test_validation_runs_on_cli_values() -> None:

@@ -1,0 +1,250 @@
+"""Hugging Face folders in and out: the adapter contract and the generic load/save.
+
+A family's adapter says how its args map to `config.json` and, as a table of
+`KeyRule`s, which HF tensors make each native parameter. Everything else (reading
+shards lazily, checking names and shapes, filling possibly sharded parameters,
+writing shards with an index) is done once here for every family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from temper.models.layers.rope import RopeScaling
+from temper.models.registry import ModelSpec, all_model_specs
+from temper.models.safetensors_io import (
+    DEFAULT_SHARD_BYTES,
+    SafetensorsFolder,
+    describe,
+    read_json,
+    write_safetensors,
+)
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """One native parameter and the HF tensors it is made of.
+
+    One HF key: the same tensor. Several: HF keeps one tensor per expert and the
+    native parameter stacks them along dim 0, in the listed order.
+    """
+
+    native: str
+    hf: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """How one family reads and writes HF folders."""
+
+    model_types: tuple[str, ...]
+    """`model_type` values of `config.json` that this family reads."""
+    args_from_hf: Callable[[dict[str, Any]], Any]
+    """HF config dict -> the family's ModelArgs (fails naming unsupported settings)."""
+    args_to_hf: Callable[[Any], dict[str, Any]]
+    """ModelArgs -> config.json content (with `architectures` and `model_type`)."""
+    key_rules: Callable[[Any], list[KeyRule]]
+    """Every native parameter's rule, for the given args (tied weights listed once)."""
+
+
+def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
+    """The registered family whose adapter reads this `model_type`."""
+    model_type = hf_config.get("model_type")
+    specs = [s for s in all_model_specs() if s.hf_adapter is not None]
+    for spec in specs:
+        if model_type in spec.hf_adapter.model_types:
+            return spec
+    supported = sorted(t for s in specs for t in s.hf_adapter.model_types)
+    raise ValueError(
+        f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(supported)}"
+    )
+
+
+def read_hf_args(folder: str | os.PathLike[str]) -> tuple[ModelSpec, Any]:
+    """The family and ModelArgs described by a folder's config.json."""
+    path = Path(folder) / "config.json"
+    hf_config = read_json(path, "HF model config")
+    spec = find_hf_family(hf_config, path)
+    try:
+        return spec, spec.hf_adapter.args_from_hf(hf_config)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: cannot read a {spec.name} config: {err}") from err
+
+
+def build_hf_model(folder: str | os.PathLike[str], vocab_size: int | None = None) -> nn.Module:
+    """The folder's architecture on the meta device, ready to parallelize and load."""
+    spec, args = read_hf_args(folder)
+    if vocab_size is not None:
+        args = dataclasses.replace(args, vocab_size=vocab_size)
+    with torch.device("meta"):
+        return spec.model_cls(args)
+
+
+def load_hf(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """The native model of an HF folder, with its weights, on `device` in `dtype`."""
+    return materialize(build_hf_model(path), device, hf_path=path).to(dtype)
+
+
+def materialize(
+    model: nn.Module, device: torch.device | str, hf_path: str | os.PathLike[str] | None = None
+) -> nn.Module:
+    """Allocate a meta (possibly already sharded) model on `device`: fresh init or HF weights.
+
+    `init_weights` runs in both cases: it also computes buffers and re-ties embeddings.
+    """
+    model.to_empty(device=device)
+    model.init_weights()
+    if hf_path is not None:
+        load_hf_weights(model, hf_path)
+    return model
+
+
+def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
+    """Fill a materialized model (plain or DTensor-sharded) from an HF folder.
+
+    Every missing and every mis-shaped tensor is named in one error before anything
+    is copied. A sharded parameter reads only its own rows of stacked experts.
+    """
+    tensors = SafetensorsFolder(folder)
+    rules = _rules_of(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing, wrong = [], []
+    for rule in rules:
+        expected = tuple(params[rule.native].shape)
+        part = expected[1:] if len(rule.hf) > 1 else expected
+        for key in rule.hf:
+            if key not in tensors:
+                missing.append(key)
+            elif tensors.shape(key) != part:
+                wrong.append(f"{key} has shape {tensors.shape(key)}, expected {part}")
+    if missing or wrong:
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {describe(missing)}")
+        if wrong:
+            problems.append(f"mis-shaped tensors: {describe(wrong)}")
+        raise ValueError(f"{folder}: does not fit {type(model).__name__}: " + "; ".join(problems))
+    with torch.no_grad():
+        for rule in rules:
+            _fill(params[rule.native], rule, tensors)
+
+
+def save_hf(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    extra_config: dict[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """Write safetensors shards, config.json and generation_config.json for `model`.
+
+    `extra_config` adds fields the args do not carry (token ids, say). A sharded
+    model must be gathered first (`full_tensor`); this writes what the process holds.
+    """
+    adapter = _adapter_of(model)
+    folder = Path(path)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    hf_tensors: dict[str, torch.Tensor] = {}
+    for rule in adapter.key_rules(model.args):
+        value = params[rule.native].detach()
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        parts = [value] if len(rule.hf) == 1 else list(value.unbind(0))
+        hf_tensors.update(zip(rule.hf, parts, strict=True))
+    write_safetensors(folder, hf_tensors, max_shard_bytes)
+    dtype = next(model.parameters()).dtype
+    config = {**adapter.args_to_hf(model.args), **(extra_config or {})}
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
+    }
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _adapter_of(model: nn.Module) -> HFAdapter:
+    for spec in all_model_specs():
+        if isinstance(model, spec.model_cls) and spec.hf_adapter is not None:
+            return spec.hf_adapter
+    raise ValueError(f"{type(model).__name__} has no Hugging Face adapter")
+
+
+def _rules_of(model: nn.Module) -> list[KeyRule]:
+    return _adapter_of(model).key_rules(model.args)
+
+
+def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder) -> None:
+    if not isinstance(param, DTensor):
+        param.copy_(_read_rows(rule, tensors, slice(0, param.shape[0])))
+        return
+    local = param.to_local()
+    offset = _global_offset(param)
+    rows = slice(offset[0], offset[0] + local.shape[0])
+    value = _read_rows(rule, tensors, rows)
+    for dim in range(1, local.dim()):
+        value = value.narrow(dim, offset[dim], local.shape[dim])
+    local.copy_(value)
+
+
+def _read_rows(rule: KeyRule, tensors: SafetensorsFolder, rows: slice) -> torch.Tensor:
+    """Rows `rows` of dim 0: a slice of one tensor, or a stack of only the needed experts."""
+    if len(rule.hf) == 1:
+        return tensors.read(rule.hf[0], rows)
+    return torch.stack([tensors.read(key) for key in rule.hf[rows]])
+
+
+def _global_offset(param: DTensor) -> Sequence[int]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return offset
+
+
+def rope_from_hf(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, Llama 3 scaling or None) from `rope_parameters` (transformers 5) or the older
+    `rope_theta` + `rope_scaling` pair; any other rope type is refused by name."""
+    params = hf_config.get("rope_parameters") or {
+        "rope_theta": hf_config.get("rope_theta", 10000.0),
+        **(hf_config.get("rope_scaling") or {}),
+    }
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params["rope_theta"])
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise ValueError(f"rope type {rope_type!r} is not supported (default and llama3 are)")
+
+
+def rope_to_hf(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
+    """The `rope_parameters` entry of config.json."""
+    if scaling is None:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    return {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            **dataclasses.asdict(scaling),
+        }
+    }
