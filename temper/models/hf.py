@@ -155,7 +155,7 @@ def save_hf(
     `extra_config` adds fields the args do not carry (token ids, say). A sharded
     model must be gathered first (`full_tensor`); this writes what the process holds.
     """
-    adapter = _adapter_of(model)
+    adapter = adapter_of(model)
     folder = Path(path)
     params = dict(model.named_parameters(remove_duplicate=False))
     hf_tensors: dict[str, torch.Tensor] = {}
@@ -176,7 +176,7 @@ def save_hf(
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def _adapter_of(model: nn.Module) -> HFAdapter:
+def adapter_of(model: nn.Module) -> HFAdapter:
     for spec in all_model_specs():
         if isinstance(model, spec.model_cls) and spec.hf_adapter is not None:
             return spec.hf_adapter
@@ -184,7 +184,7 @@ def _adapter_of(model: nn.Module) -> HFAdapter:
 
 
 def _rules_of(model: nn.Module) -> list[KeyRule]:
-    return _adapter_of(model).key_rules(model.args)
+    return adapter_of(model).key_rules(model.args)
 
 
 def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder) -> None:
