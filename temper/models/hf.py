@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from temper.models.layers.rope import RopeScaling
-from temper.models.registry import ModelSpec, all_model_specs
+from temper.models.registry import ModelSpec, all_model_specs, spec_of
 from temper.models.safetensors_io import (
     DEFAULT_SHARD_BYTES,
     SafetensorsFolder,
@@ -177,10 +177,10 @@ def save_hf(
 
 
 def adapter_of(model: nn.Module) -> HFAdapter:
-    for spec in all_model_specs():
-        if isinstance(model, spec.model_cls) and spec.hf_adapter is not None:
-            return spec.hf_adapter
-    raise ValueError(f"{type(model).__name__} has no Hugging Face adapter")
+    adapter = spec_of(model).hf_adapter
+    if adapter is None:
+        raise ValueError(f"{type(model).__name__} has no Hugging Face adapter")
+    return adapter
 
 
 def _rules_of(model: nn.Module) -> list[KeyRule]:

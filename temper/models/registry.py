@@ -50,6 +50,16 @@ def all_model_specs() -> list[ModelSpec]:
     return [_SPECS[name] for name in model_names()]
 
 
+def spec_of(model: nn.Module) -> ModelSpec:
+    """The registered family that built `model`: the most derived class in its MRO wins,
+    since wrappers such as FSDP2 subclass the model's class and families may share bases."""
+    by_class = {spec.model_cls: spec for spec in _SPECS.values()}
+    for cls in type(model).__mro__:
+        if cls in by_class:
+            return by_class[cls]
+    raise ValueError(f"{type(model).__name__} is not a registered model family")
+
+
 def build_model(
     name: str,
     flavor: str,

@@ -1,0 +1,213 @@
+"""Atomic DCP checkpoints in `<dump>/checkpoints/step-<N>/`, the latest K kept.
+
+A save is written to `.step-<N>.partial/` and renamed to `step-<N>/` only once every
+rank's shards, the DCP metadata, `state.json` and `temper.json` are on disk. So a
+folder named `step-<N>` is always complete: a crash or a full disk mid-save leaves
+the previous checkpoint as it was, and the next save clears the partial folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from temper.checkpoint.metadata import METADATA_FILE, read_metadata
+from temper.checkpoint.state import join_tensors, split_tensors
+
+STATE_FILE = "state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def complete_steps(root: str | os.PathLike[str]) -> list[int]:
+    """Steps with a complete checkpoint under `root`, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / METADATA_FILE).is_file() and (entry / ".metadata").is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def resolve_resume(root: str | os.PathLike[str], resume: str) -> int | None:
+    """The step to resume from: `auto` = latest complete (None if none), `never`, or a step."""
+    if resume == "never":
+        return None
+    steps = complete_steps(root)
+    if resume == "auto":
+        return steps[-1] if steps else None
+    step = int(resume)
+    if step not in steps:
+        raise FileNotFoundError(
+            f"checkpoint.resume {resume}: no complete checkpoint {checkpoint_dir(root, step)}; "
+            f"complete steps there: {steps or 'none'}"
+        )
+    return step
+
+
+@dataclass
+class _PendingSave:
+    future: Future
+    partial: Path
+    final: Path
+    files: dict[str, str]
+
+
+class CheckpointManager:
+    """Saves and loads training state; every rank calls every method at the same steps."""
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, keep_latest_k: int, async_mode: bool
+    ) -> None:
+        self.root = Path(root)
+        self.keep_latest_k = keep_latest_k
+        self.async_mode = async_mode
+        self._pending: _PendingSave | None = None
+        self._async_group: dist.ProcessGroup | None = None
+
+    def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """Write `state` (nested dicts of tensors and JSON values) as checkpoint `step`.
+
+        In async mode this returns once the tensors are staged in memory; the files
+        are written in the background and renamed into place by the next `save`
+        or `wait`.
+        """
+        self.wait()
+        final = checkpoint_dir(self.root, step)
+        if not self.async_mode:
+            write_checkpoint(final, state, metadata, keep_latest_k=self.keep_latest_k)
+            return
+        partial, tensors, files = _prepare(final, state, metadata)
+        future = dcp.async_save(
+            tensors, checkpoint_id=str(partial), process_group=self._background_group()
+        )
+        self._pending = _PendingSave(future, partial, final, files)
+
+    def wait(self) -> None:
+        """Finish a pending asynchronous save (no-op when none)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.future.result()
+        _publish(pending.partial, pending.final, pending.files, self.keep_latest_k)
+
+    def load(self, step: int | Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Fill the tensors of `state` in place from a checkpoint (a step or a folder) and
+        return the full state with the checkpoint's non-tensor values.
+
+        Keys absent from `state` are not read, so a model-only state loads the weights
+        of a full checkpoint. Sharded tensors are resharded to the current layout.
+        """
+        folder = step if isinstance(step, Path) else checkpoint_dir(self.root, step)
+        tensors, _ = split_tensors(state)
+        dcp.load(tensors, checkpoint_id=str(folder))
+        skeleton = json.loads((folder / STATE_FILE).read_text())
+        return join_tensors(_select(skeleton, state), tensors)
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        return read_metadata(checkpoint_dir(self.root, step))
+
+    def _background_group(self) -> dist.ProcessGroup | None:
+        """Async saves talk on their own gloo group so they never interleave with training
+        collectives on the default group."""
+        if not dist.is_initialized():
+            return None
+        if self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+
+def write_checkpoint(
+    final: Path, state: dict[str, Any], metadata: dict[str, Any], keep_latest_k: int = 0
+) -> None:
+    """Synchronously and atomically write `state` as the checkpoint folder `final`."""
+    partial, tensors, files = _prepare(final, state, metadata)
+    dcp.save(tensors, checkpoint_id=str(partial))
+    _publish(partial, final, files, keep_latest_k)
+
+
+def _prepare(
+    final: Path, state: dict[str, Any], metadata: dict[str, Any]
+) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
+    """A fresh partial folder beside `final`, the tensors to save and the JSON files."""
+    partial = final.parent / f".{final.name}.partial"
+    if _is_main():
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    tensors, skeleton = split_tensors(state)
+    files = {STATE_FILE: json.dumps(skeleton), METADATA_FILE: json.dumps(metadata, indent=2)}
+    return partial, tensors, files
+
+
+def _publish(partial: Path, final: Path, files: dict[str, str], keep_latest_k: int) -> None:
+    """After every rank's shards are written: JSON files, then the atomic rename."""
+    if _is_main():
+        for name, text in files.items():
+            _write_durably(partial / name, text)
+        if final.exists():  # re-saving a step: the new copy replaces the old one
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(final.parent)
+        if keep_latest_k > 0:
+            for step in complete_steps(final.parent)[:-keep_latest_k]:
+                shutil.rmtree(checkpoint_dir(final.parent, step), ignore_errors=True)
+    _barrier()
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _select(skeleton: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
+    """The sections of a saved skeleton that `wanted` asks for (a model-only load, say)."""
+    return {key: skeleton[key] for key in wanted if key in skeleton}
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

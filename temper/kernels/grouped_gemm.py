@@ -1,0 +1,75 @@
+"""Grouped GEMM for mixture-of-experts: rows sorted by group, one weight matrix per group.
+
+``grouped_mm`` runs ``torch._grouped_mm`` on CUDA in bf16 where its layout rules hold, and the
+plain-PyTorch loop over groups everywhere else; the loop is also the reference that tests hold
+the fast path to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ALIGN_BYTES = 16
+"""torch._grouped_mm on CUDA needs 16-byte aligned data pointers and leading strides."""
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x[rows of g] @ w[g]`` for every group g: x [T, K], w [G, K, N] -> [T, N].
+
+    ``offsets`` [G] int32 holds each group's cumulative end row, so ``offsets[-1] == T``. Both
+    operands are cast to the autocast dtype when autocast is on, since ``torch._grouped_mm`` is
+    not on autocast's lists.
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+    else:
+        dtype = torch.promote_types(x.dtype, w.dtype)
+    x, w = x.to(dtype).contiguous(), w.to(dtype)
+    if _fast_path_fits(x, w):
+        return grouped_mm_fast(x, w, offsets)
+    return grouped_mm_reference(x, w, offsets)
+
+
+def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One matmul per group; runs on any device and dtype (reads ``offsets`` on the host)."""
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    return torch.cat([x[s:e] @ w[g] for g, (s, e) in enumerate(zip(starts, ends, strict=True))])
+
+
+def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``; its backward fails on a non-contiguous (e.g. expanded) gradient,
+    so the output hands it a contiguous one."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offsets))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _fast_path_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """CUDA, SM80+, bf16, and both operands' leading strides and pointers 16-byte aligned."""
+    if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return False
+    return all(_aligned(t) for t in (x, w))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Row- or column-major in the last two dims, with the non-unit stride 16-byte aligned."""
+    rows, cols = t.stride()[-2:]
+    if cols == 1:
+        lead = rows
+    elif rows == 1:
+        lead = cols
+    else:
+        return False
+    size = t.element_size()
+    return (lead * size) % _ALIGN_BYTES == 0 and t.data_ptr() % _ALIGN_BYTES == 0

@@ -1,0 +1,140 @@
+"""Token-choice mixture of SwiGLU experts.
+
+The forward is separable steps: route, ``permute`` tokens by expert, grouped GEMMs over the
+stacked expert weights, weighted ``unpermute``. An expert-parallel dispatcher sits between
+``permute`` and the experts without touching the math on either side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from temper.kernels.grouped_gemm import grouped_mm
+from temper.models.layers.init import init_linear
+
+
+@dataclass
+class RoutingStats:
+    """One MoE layer's routing in the latest forward: what the load-balancing loss reads."""
+
+    tokens_per_expert: torch.Tensor
+    """[n_experts] int64 count of top-k assignments (no gradient)."""
+    prob_sum: torch.Tensor
+    """[n_experts] fp32 router probabilities summed over tokens (carries the gradient)."""
+    n_tokens: int
+
+
+class TopKRouter(nn.Module):
+    """Softmax over all experts in fp32, then the top k; with ``norm_topk_prob`` the k weights
+    are rescaled to sum to 1. This is Qwen3-MoE's order (softmax before top-k)."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, dim] -> probabilities [n, E] (fp32), weights [n, k] (x's dtype), experts [n, k]."""
+        logits = self.gate(x)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(logits.dtype), experts
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts as stacked weights, each in nn.Linear's [out, in] layout so HF's
+    per-expert tensors stack without a transpose: w1 (gate), w3 (up) [E, hidden, dim] and
+    w2 (down) [E, dim, hidden]."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """``out_std`` is for ``w2``, which writes into the residual stream."""
+        for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
+            nn.init.trunc_normal_(w, std=s, a=-3 * s, b=3 * s)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of x [T, dim] sorted by expert; ``offsets`` [E] int32 cumulative group ends."""
+        h = F.silu(grouped_mm(x, self.w1.mT, offsets)) * grouped_mm(x, self.w3.mT, offsets)
+        return grouped_mm(h, self.w2.mT, offsets)
+
+
+def permute(
+    x: torch.Tensor, experts: torch.Tensor, n_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copy each token once per chosen expert, grouped by expert (token order kept within one).
+
+    x [n, dim], experts [n, k] -> rows [n * k, dim], ``order`` (the flat (token, slot) index of
+    each row, for ``unpermute``) and tokens per expert [E] (int64, no host sync).
+    """
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return x[order // experts.shape[1]], order, counts
+
+
+def unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Rows back to (token, slot) order, then each token's weighted sum over its k experts.
+
+    A copy to unique positions and a sum over slots, rather than an atomic scatter-add, so the
+    result is bitwise repeatable on GPU.
+    """
+    n, k = weights.shape
+    y = y.new_empty(y.shape).index_copy(0, order, y)
+    return (y.view(n, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class MoE(nn.Module):
+    """Router plus grouped experts; keeps the latest forward's ``routing`` statistics."""
+
+    def __init__(
+        self, dim: int, hidden_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool
+    ) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.router = TopKRouter(dim, n_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(dim, hidden_dim, n_experts)
+        self.routing: RoutingStats | None = None
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        init_linear(self.router.gate, std)
+        self.experts.init_weights(std, out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs, weights, experts = self.router(tokens)
+        rows, order, counts = permute(tokens, experts, self.n_experts)
+        out = self.experts(rows, counts.cumsum(0, dtype=torch.int32))
+        self.routing = RoutingStats(counts, probs.sum(dim=0), tokens.shape[0])
+        return unpermute(out, order, weights).view_as(x)
+
+
+def load_balancing_loss(stats: list[RoutingStats]) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss as transformers computes it for Qwen3-MoE.
+
+    ``E * sum_e f_e * P_e``, where f_e is expert e's share of top-k assignments (summing to k)
+    and P_e its mean router probability, both pooled over the tokens of all MoE layers before
+    the product (so not a mean of per-layer losses). Only P carries a gradient.
+    """
+    counts = torch.stack([s.tokens_per_expert for s in stats]).sum(dim=0).float()
+    prob_sum = torch.stack([s.prob_sum for s in stats]).sum(dim=0)
+    rows = sum(s.n_tokens for s in stats)
+    return counts.numel() * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+def load_imbalance(stats: list[RoutingStats]) -> torch.Tensor:
+    """Busiest expert's tokens over the mean tokens per expert, averaged over MoE layers."""
+    ratios = [s.tokens_per_expert.max() / s.tokens_per_expert.float().mean() for s in stats]
+    return torch.stack(ratios).mean()
