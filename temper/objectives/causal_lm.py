@@ -27,7 +27,12 @@ class Objective(Protocol):
 
 
 class CausalLM:
-    """Sum of next-token negative log-likelihoods over labels that are not ignored."""
+    """Sum of next-token negative log-likelihoods over labels that are not ignored.
+
+    A model with ``aux_loss()`` (MoE load balancing) adds ``router_aux_loss_coef * aux`` per
+    valid token, so after the trainer's division the gradient carries coef x the token-weighted
+    mean of aux over micro-batches and ranks, and one batch's loss equals HF's CE + coef * aux.
+    """
 
     def loss(
         self, model: nn.Module, batch: Batch
@@ -40,7 +45,14 @@ class CausalLM:
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
-        return loss_sum, count_tokens(batch), {}
+        n_tokens = count_tokens(batch)
+        metrics: dict[str, float] = {}
+        if hasattr(model, "aux_loss"):
+            aux = model.aux_loss()
+            loss_sum = loss_sum + model.args.router_aux_loss_coef * aux * n_tokens
+            metrics["aux_loss"] = aux.item()
+            metrics["moe_load_imbalance"] = model.load_imbalance().item()
+        return loss_sum, n_tokens, metrics
 
 
 def count_tokens(batch: Batch) -> torch.Tensor:

@@ -107,6 +107,5 @@ class Qwen3Transformer(nn.Module):
         6 per active weight, plus 12 * n_layers * n_heads * head_dim * seq_len for the QK^T
         and AV matmuls (full, not causal-halved, scores)."""
         args = self.args
-        return 6.0 * self.active_params() + 12.0 * args.n_layers * args.n_heads * args.head_dim * (
-            seq_len
-        )
+        attention = 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
+        return 6.0 * self.active_params() + attention

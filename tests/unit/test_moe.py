@@ -1,0 +1,122 @@
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeTopKRouter,
+    load_balancing_loss_func,
+)
+
+from temper.models.layers.moe import (
+    MoE,
+    RoutingStats,
+    TopKRouter,
+    load_balancing_loss,
+    load_imbalance,
+    permute,
+)
+
+DIM, HIDDEN, EXPERTS = 16, 12, 6
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_router_matches_transformers(norm_topk_prob: bool) -> None:
+    config = Qwen3MoeConfig(
+        hidden_size=DIM, num_experts=EXPERTS, num_experts_per_tok=3, norm_topk_prob=norm_topk_prob
+    )
+    torch.manual_seed(0)
+    theirs = Qwen3MoeTopKRouter(config)
+    ours = TopKRouter(DIM, EXPERTS, top_k=3, norm_topk_prob=norm_topk_prob)
+    with torch.no_grad():
+        theirs.weight.normal_()
+        ours.gate.weight.copy_(theirs.weight)
+    x = torch.randn(40, DIM)
+    probs, weights, experts = ours(x)
+    logits, expected_weights, expected_experts = theirs(x)
+    assert torch.equal(experts, expected_experts)
+    torch.testing.assert_close(weights, expected_weights, rtol=0, atol=0)
+    torch.testing.assert_close(probs, logits.softmax(-1), rtol=1e-6, atol=1e-7)
+    sums = weights.sum(-1)
+    assert torch.allclose(sums, torch.ones(40)) == norm_topk_prob
+
+
+def _moe(top_k: int = 2) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, EXPERTS, top_k, norm_topk_prob=False).double()
+    moe.init_weights(std=0.5, out_std=0.5)
+    return moe
+
+
+def test_moe_equals_a_loop_over_tokens_forward_and_backward() -> None:
+    moe = _moe(top_k=3)
+    x = torch.randn(2, 9, DIM, dtype=torch.float64, requires_grad=True)
+    out = moe(x)
+
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    probs = (x @ moe.router.gate.weight.T).softmax(-1, dtype=torch.float32)  # fp32, as HF
+    expected = torch.zeros_like(x)
+    for b in range(2):
+        for t in range(9):
+            top = probs[b, t].topk(3)
+            for p, e in zip(top.values, top.indices.tolist(), strict=True):
+                h = torch.nn.functional.silu(w1[e] @ x[b, t]) * (w3[e] @ x[b, t])
+                expected[b, t] += p.double() * (w2[e] @ h)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+    params = [x, *moe.parameters()]
+    cotangent = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, params, cotangent)
+    expected_grads = torch.autograd.grad(expected, params, cotangent)
+    for got, want in zip(got_grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_permute_groups_rows_by_expert_and_counts_them() -> None:
+    x = torch.arange(5.0)[:, None]
+    experts = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2], [1, 0]])
+    rows, order, counts = permute(x, experts, n_experts=4)
+    assert counts.tolist() == [4, 3, 3, 0]
+    # Expert 0 gets tokens 0, 1, 3, 4 in token order; then expert 1: 1, 2, 4; expert 2: 0, 2, 3.
+    assert rows.flatten().tolist() == [0, 1, 3, 4, 1, 2, 4, 0, 2, 3]
+    assert torch.equal(experts.flatten()[order], torch.tensor([0] * 4 + [1] * 3 + [2] * 3))
+
+
+def test_moe_records_routing_stats() -> None:
+    moe = _moe()
+    x = torch.randn(3, 5, DIM, dtype=torch.float64)
+    moe(x)
+    probs, _, experts = moe.router(x.reshape(15, DIM))
+    stats = moe.routing
+    assert stats.n_tokens == 15
+    assert torch.equal(stats.tokens_per_expert, experts.flatten().bincount(minlength=EXPERTS))
+    torch.testing.assert_close(stats.prob_sum, probs.sum(0))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_load_balancing_loss_equals_transformers(top_k: int) -> None:
+    torch.manual_seed(0)
+    # Three layers with different skews, so pooling across layers differs from a per-layer mean.
+    logits = [torch.randn(30, EXPERTS) * s + b for s, b in ((1, 0), (3, 0), (2, 1))]
+    logits = [(lg + torch.arange(EXPERTS) * i).requires_grad_() for i, lg in enumerate(logits)]
+    stats = []
+    for lg in logits:
+        probs = lg.softmax(-1)
+        experts = probs.topk(top_k, dim=-1).indices.flatten()
+        counts = torch.zeros(EXPERTS, dtype=torch.int64).scatter_add_(
+            0, experts, torch.ones_like(experts)
+        )
+        stats.append(RoutingStats(counts, probs.sum(0), lg.shape[0]))
+    ours = load_balancing_loss(stats)
+    theirs = load_balancing_loss_func(tuple(logits), EXPERTS, top_k)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    got = torch.autograd.grad(ours, logits)
+    expected = torch.autograd.grad(theirs, logits)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-8)
+
+
+def test_load_imbalance_by_hand() -> None:
+    stats = [
+        RoutingStats(torch.tensor([4, 0, 2, 2]), torch.zeros(4), 4),  # max 4 / mean 2
+        RoutingStats(torch.tensor([2, 2, 2, 2]), torch.zeros(4), 4),  # balanced: 1
+    ]
+    assert load_imbalance(stats).item() == pytest.approx(1.5)
