@@ -58,8 +58,10 @@ def build_text_loader(
     seed: int = 0,
     dp_rank: int = 0,
     dp_world: int = 1,
+    isolate_documents: bool = False,
 ) -> BatchLoader:
-    """The pretraining loader for one DP rank: synthetic tasks (path None) or text files."""
+    """The pretraining loader for one DP rank: synthetic tasks (path None) or text files;
+    ``isolate_documents`` adds per-document ``position_ids`` (see ``TextDataset``)."""
     dataset = TextDataset(
         tokenizer,
         seq_len,
@@ -68,5 +70,6 @@ def build_text_loader(
         seed=seed,
         dp_rank=dp_rank,
         dp_world=dp_world,
+        isolate_documents=isolate_documents,
     )
     return BatchLoader(dataset, batch_size)

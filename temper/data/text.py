@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import torch
 
+from temper.data.packing import document_labels, document_position_ids
 from temper.data.sources import DocumentSource, FileSource, SyntheticSource
 from temper.data.tokenizer import Tokenizer
 
@@ -18,6 +19,12 @@ class TextDataset:
     holds stream tokens ``[g * seq_len, (g + 1) * seq_len]`` and every token is predicted
     exactly once. ``input_ids = row[:-1]``, ``labels = row[1:]``. File sources loop over
     epochs in the same order; ``seed`` only picks the synthetic stream.
+
+    Isolation: with ``isolate_documents`` the rows are the same, but each also carries
+    ``position_ids`` that restart at every document and an EOS's label (the next
+    document's first token) is ignored, so with block-causal attention every document
+    trains as if alone (``temper.data.packing``). Without it the stream is continuous:
+    attention and labels run across documents, as in classic pretraining.
 
     Sharding: every rank builds the same global row stream. A step of the group consumes
     ``dp_world`` consecutive global rows starting at the group's row counter ``B``; rank
@@ -40,6 +47,7 @@ class TextDataset:
         seed: int = 0,
         dp_rank: int = 0,
         dp_world: int = 1,
+        isolate_documents: bool = False,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -49,6 +57,7 @@ class TextDataset:
         self.seq_len = seq_len
         self.dp_rank = dp_rank
         self.dp_world = dp_world
+        self.isolate_documents = isolate_documents
         self.source: DocumentSource = (
             SyntheticSource(seed) if path is None else FileSource(path, text_field)
         )
@@ -62,10 +71,13 @@ class TextDataset:
             self._skip_rows(self.dp_rank)
             row = self._next_global_row()
             self._skip_rows(self.dp_world - 1 - self.dp_rank)
-            yield {
-                "input_ids": torch.tensor(row[:-1], dtype=torch.long),
-                "labels": torch.tensor(row[1:], dtype=torch.long),
-            }
+            input_ids = torch.tensor(row[:-1], dtype=torch.long)
+            sample = {"input_ids": input_ids, "labels": torch.tensor(row[1:], dtype=torch.long)}
+            if self.isolate_documents:
+                eos_id = self.tokenizer.eos_id
+                sample["labels"] = document_labels(input_ids, sample["labels"], eos_id)
+                sample["position_ids"] = document_position_ids(input_ids, eos_id)
+            yield sample
 
     def _skip_rows(self, count: int) -> None:
         for _ in range(count):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from temper.models.layers.rope import RopeScaling
+from temper.models.layers.rope import RopeScaling, YarnScaling
 from temper.models.registry import ModelSpec, all_model_specs, spec_of
 from temper.models.safetensors_io import (
     DEFAULT_SHARD_BYTES,
@@ -55,6 +55,9 @@ class HFAdapter:
     """ModelArgs -> config.json content (with `architectures` and `model_type`)."""
     key_rules: Callable[[Any], list[KeyRule]]
     """Every native parameter's rule, for the given args (tied weights listed once)."""
+    buffer_rules: Callable[[Any], list[KeyRule]] = lambda args: []
+    """Persistent buffers that HF checkpoints hold too (DeepSeek V3's expert bias): read and
+    written like parameters, but they have no gradient."""
 
 
 def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
@@ -121,7 +124,7 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """
     tensors = SafetensorsFolder(folder)
     rules = _rules_of(model)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = _named_tensors(model)
     missing, wrong = [], []
     for rule in rules:
         expected = tuple(params[rule.native].shape)
@@ -157,9 +160,9 @@ def save_hf(
     """
     adapter = adapter_of(model)
     folder = Path(path)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = _named_tensors(model)
     hf_tensors: dict[str, torch.Tensor] = {}
-    for rule in adapter.key_rules(model.args):
+    for rule in _rules_of(model):
         value = params[rule.native].detach()
         if isinstance(value, DTensor):
             value = value.full_tensor()
@@ -184,7 +187,13 @@ def adapter_of(model: nn.Module) -> HFAdapter:
 
 
 def _rules_of(model: nn.Module) -> list[KeyRule]:
-    return adapter_of(model).key_rules(model.args)
+    adapter = adapter_of(model)
+    return adapter.key_rules(model.args) + adapter.buffer_rules(model.args)
+
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (tied ones under every name) and buffers, by native name."""
+    return {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
 
 
 def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder) -> None:
@@ -216,35 +225,57 @@ def _global_offset(param: DTensor) -> Sequence[int]:
     return offset
 
 
-def rope_from_hf(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(theta, Llama 3 scaling or None) from `rope_parameters` (transformers 5) or the older
-    `rope_theta` + `rope_scaling` pair; any other rope type is refused by name."""
+def rope_from_hf(
+    hf_config: dict[str, Any], supported: tuple[str, ...] = ("default", "llama3")
+) -> tuple[float, RopeScaling | YarnScaling | None]:
+    """(theta, scaling or None) from `rope_parameters` (transformers 5) or the older
+    `rope_theta` + `rope_scaling` pair; a rope type the family does not list in `supported`
+    (default, llama3, yarn) is refused by name."""
     params = hf_config.get("rope_parameters") or {
         "rope_theta": hf_config.get("rope_theta", 10000.0),
         **(hf_config.get("rope_scaling") or {}),
     }
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in supported:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported ({' and '.join(supported)} are)"
+        )
     theta = float(params["rope_theta"])
     if rope_type == "default":
         return theta, None
+    original = int(params["original_max_position_embeddings"])
     if rope_type == "llama3":
         return theta, RopeScaling(
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            original_max_position_embeddings=original,
         )
-    raise ValueError(f"rope type {rope_type!r} is not supported (default and llama3 are)")
+    optional = {
+        k: float(params[k])
+        for k in ("mscale", "mscale_all_dim", "attention_factor")
+        if params.get(k) is not None
+    }
+    # transformers reads a missing or zero beta as its default.
+    return theta, YarnScaling(
+        factor=float(params["factor"]),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        **optional,
+    )
 
 
-def rope_to_hf(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
-    """The `rope_parameters` entry of config.json."""
+def rope_to_hf(theta: float, scaling: RopeScaling | YarnScaling | None) -> dict[str, Any]:
+    """The `rope_parameters` entry of config.json (unset optional YaRN fields left out)."""
     if scaling is None:
         return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    fields = {k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}
     return {
         "rope_parameters": {
-            "rope_type": "llama3",
+            "rope_type": "yarn" if isinstance(scaling, YarnScaling) else "llama3",
             "rope_theta": theta,
-            **dataclasses.asdict(scaling),
+            **fields,
         }
     }

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from temper.kernels.attention import DocumentMask
+
 IGNORE_INDEX = -100
 """Label value of a position that does not count in the loss."""
 
@@ -37,7 +39,7 @@ class CausalLM:
     def loss(
         self, model: nn.Module, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        logits = model(batch["input_ids"], batch.get("position_ids"))
+        logits = model(batch["input_ids"], batch.get("position_ids"), documents(batch))
         labels = batch["labels"]
         loss_sum = F.cross_entropy(
             logits.flatten(0, 1).float(),
@@ -53,6 +55,13 @@ class CausalLM:
             metrics["aux_loss"] = aux.item()
             metrics["moe_load_imbalance"] = model.load_imbalance().item()
         return loss_sum, n_tokens, metrics
+
+
+def documents(batch: Batch) -> DocumentMask | None:
+    """The packed documents of a batch with ``position_ids`` (they restart at each one), so
+    attention never crosses a document boundary; None for a continuous stream."""
+    position_ids = batch.get("position_ids")
+    return None if position_ids is None else DocumentMask.from_position_ids(position_ids)
 
 
 def count_tokens(batch: Batch) -> torch.Tensor:

@@ -1,28 +1,20 @@
-"""Grouped-query self-attention on [batch, seq, heads, head_dim] tensors."""
+"""Grouped-query self-attention on [batch, seq, heads, head_dim] tensors.
+
+``causal_attention(q, k, v, docs=None, *, backend="auto", scale=None)`` is the dispatcher of
+``temper.kernels.attention``: causal, or block-causal over the packed documents of a
+``DocumentMask``, through sdpa, flex or varlen.
+"""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from temper.kernels.attention import Backend, DocumentMask
+from temper.kernels.attention import attention as causal_attention
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
 
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA for q [b, s, h, d] and k, v [b, s, h_kv, d] -> [b, s, h, d].
-
-    Heads stay on dim 2 so sequence-parallel all-to-alls can wrap this function unchanged;
-    ``enable_gqa`` shares each k/v head across its query group without materializing copies.
-    """
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=True,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+__all__ = ["Attention", "causal_attention"]
 
 
 class Attention(nn.Module):
@@ -59,9 +51,16 @@ class Attention(nn.Module):
             if isinstance(norm, RMSNorm):
                 norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: DocumentMask | None = None,
+        backend: Backend = "auto",
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q = apply_rope(self.q_norm(self.wq(x).view(b, s, -1, self.head_dim)), cos, sin)
         k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), cos, sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        return self.wo(causal_attention(q, k, v).reshape(b, s, -1))
+        return self.wo(causal_attention(q, k, v, docs, backend=backend).reshape(b, s, -1))

@@ -3,6 +3,9 @@
 The forward is separable steps: route, ``permute`` tokens by expert, grouped GEMMs over the
 stacked expert weights, weighted ``unpermute``. An expert-parallel dispatcher sits between
 ``permute`` and the experts without touching the math on either side.
+
+Two routers: Qwen3-MoE's softmax top-k, and DeepSeek V3's sigmoid, group-limited top-k with an
+auxiliary-loss-free balancing bias (``GroupLimitedRouter``, with optional shared experts).
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from temper.kernels.grouped_gemm import grouped_mm
 from temper.models.layers.init import init_linear
+from temper.models.layers.mlp import FeedForward
 
 
 @dataclass
@@ -26,6 +31,18 @@ class RoutingStats:
     prob_sum: torch.Tensor
     """[n_experts] fp32 router probabilities summed over tokens (carries the gradient)."""
     n_tokens: int
+
+
+@dataclass(frozen=True)
+class GroupLimitedRouting:
+    """DeepSeek V3's router settings (``GroupLimitedRouter``)."""
+
+    n_groups: int
+    """Experts are split into this many equal groups, in expert order."""
+    topk_group: int
+    """Each token picks its experts from this many groups only."""
+    scaling_factor: float
+    """Multiplies the routed experts' weights (HF's ``routed_scaling_factor``)."""
 
 
 class TopKRouter(nn.Module):
@@ -46,6 +63,88 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights.to(logits.dtype), experts
+
+    def init_weights(self, std: float) -> None:
+        init_linear(self.gate, std)
+
+
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek V3's router, as transformers computes it: sigmoid affinities in fp32; a token
+    keeps the ``topk_group`` groups whose two best biased affinities sum highest and takes its
+    top k experts there by biased affinity; their unbiased affinities are the weights
+    (renormalized with ``norm_topk_prob``), times ``scaling_factor``.
+
+    ``expert_bias`` (HF's ``e_score_correction_bias``) is the auxiliary-loss-free balancing
+    term: it steers the choice and never the weights, so it needs no gradient, and
+    ``update_expert_bias`` moves it against the load counted in ``load`` while training.
+    """
+
+    def __init__(
+        self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool, r: GroupLimitedRouting
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.n_groups = r.n_groups
+        self.topk_group = r.topk_group
+        self.scaling_factor = r.scaling_factor
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+        # Not checkpointed: update_expert_bias empties it at every optimizer step.
+        self.register_buffer("load", torch.zeros(n_experts, dtype=torch.int64), persistent=False)
+
+    def init_weights(self, std: float) -> None:
+        init_linear(self.gate, std)
+        nn.init.zeros_(self.expert_bias)
+        self.load.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, dim] -> probabilities [n, E] (fp32 affinities normalized over experts, what the
+        load-balancing loss reads), weights [n, k] (x's dtype), experts [n, k].
+
+        Counts the choices into ``load`` in training mode with autograd on. An activation
+        checkpoint's recomputation counts a layer's tokens twice, which scales all of that
+        layer's counts alike and so leaves the sign of each bias update unchanged.
+        """
+        n = x.shape[0]
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        biased = (scores + self.expert_bias).view(n, self.n_groups, -1)
+        group_scores = biased.topk(2, dim=-1).values.sum(dim=-1)
+        groups = group_scores.topk(self.topk_group, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        biased = biased.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(n, -1)
+        experts = biased.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.scaling_factor
+        if self.training and torch.is_grad_enabled():
+            self.load += tokens_per_expert(experts, self.load.numel())
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+        return probs, weights.to(x.dtype), experts
+
+
+@torch.no_grad()
+def update_expert_bias(
+    routers: list[GroupLimitedRouter], rate: float, group: dist.ProcessGroup | None = None
+) -> None:
+    """Aux-loss-free balancing step (DeepSeek V3): ``bias += rate * sign(mean load - load)`` per
+    router, from the tokens each counted since the last call, then the counts restart.
+
+    The counts are summed over ``group`` (default: the world) when torch.distributed is
+    initialized, in one all-reduce for all routers, so every rank applies the same update.
+    ``rate`` 0 only restarts the counts.
+    """
+    if routers and rate:
+        loads = torch.stack([r.load for r in routers])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(loads, group=group)
+        loads = loads.float()
+        steps = torch.sign(loads.mean(dim=-1, keepdim=True) - loads)
+        for router, step in zip(routers, steps, strict=True):
+            router.expert_bias.add_(step, alpha=rate)
+    for router in routers:
+        router.load.zero_()
 
 
 class GroupedExperts(nn.Module):
@@ -78,11 +177,15 @@ def permute(
     x [n, dim], experts [n, k] -> rows [n * k, dim], ``order`` (the flat (token, slot) index of
     each row, for ``unpermute``) and tokens per expert [E] (int64, no host sync).
     """
+    order = experts.flatten().argsort(stable=True)
+    return x[order // experts.shape[1]], order, tokens_per_expert(experts, n_experts)
+
+
+def tokens_per_expert(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[n_experts] int64 count of the choices in ``experts`` (any shape), without a host sync."""
     flat = experts.flatten()
-    order = flat.argsort(stable=True)
     counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return x[order // experts.shape[1]], order, counts
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -97,20 +200,41 @@ def unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> to
 
 
 class MoE(nn.Module):
-    """Router plus grouped experts; keeps the latest forward's ``routing`` statistics."""
+    """Router plus grouped experts; keeps the latest forward's ``routing`` statistics.
+
+    ``group_limited`` selects DeepSeek V3's router instead of the softmax top-k; with
+    ``n_shared_experts``, one SwiGLU of ``n_shared_experts * hidden_dim`` sees every token and
+    adds to the routed output.
+    """
 
     def __init__(
-        self, dim: int, hidden_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool
+        self,
+        dim: int,
+        hidden_dim: int,
+        n_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        *,
+        group_limited: GroupLimitedRouting | None = None,
+        n_shared_experts: int = 0,
     ) -> None:
         super().__init__()
         self.n_experts = n_experts
-        self.router = TopKRouter(dim, n_experts, top_k, norm_topk_prob)
+        if group_limited is None:
+            self.router = TopKRouter(dim, n_experts, top_k, norm_topk_prob)
+        else:
+            self.router = GroupLimitedRouter(dim, n_experts, top_k, norm_topk_prob, group_limited)
         self.experts = GroupedExperts(dim, hidden_dim, n_experts)
+        self.shared_experts = (
+            FeedForward(dim, n_shared_experts * hidden_dim) if n_shared_experts else None
+        )
         self.routing: RoutingStats | None = None
 
     def init_weights(self, std: float, out_std: float) -> None:
-        init_linear(self.router.gate, std)
+        self.router.init_weights(std)
         self.experts.init_weights(std, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -118,7 +242,10 @@ class MoE(nn.Module):
         rows, order, counts = permute(tokens, experts, self.n_experts)
         out = self.experts(rows, counts.cumsum(0, dtype=torch.int32))
         self.routing = RoutingStats(counts, probs.sum(dim=0), tokens.shape[0])
-        return unpermute(out, order, weights).view_as(x)
+        out = unpermute(out, order, weights).view_as(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
 
 
 def load_balancing_loss(stats: list[RoutingStats]) -> torch.Tensor:

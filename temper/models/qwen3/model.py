@@ -1,111 +1,14 @@
 """Qwen3 decoder composed from the shared layers; HF-compatible numerics and weight layout."""
 
-import torch
-from torch import nn
-
-from temper.models.layers.attention import Attention
-from temper.models.layers.init import depth_scaled_std
-from temper.models.layers.mlp import FeedForward
-from temper.models.layers.norm import RMSNorm
-from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
+from temper.models.layers.decoder import Decoder
 from temper.models.qwen3.args import Qwen3Args
 
-INIT_STD = 0.02
 
+class Qwen3Transformer(Decoder):
+    """Qwen3 causal LM: the shared decoder with per-head q/k RMSNorm before rotary.
 
-class Qwen3Block(nn.Module):
-    """Llama's pre-norm block with per-head q/k RMSNorm; the MLP slot is dense or MoE."""
+    Qwen3-MoE overrides ``feed_forward`` and nothing else structural.
+    """
 
-    def __init__(self, args: Qwen3Args, feed_forward: nn.Module) -> None:
-        super().__init__()
-        self.attention = Attention(
-            args.dim,
-            args.n_heads,
-            args.n_kv_heads,
-            args.head_dim,
-            bias=args.attention_bias,
-            qk_norm_eps=args.norm_eps,
-        )
-        self.feed_forward = feed_forward
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class Qwen3Transformer(nn.Module):
-    """Qwen3 causal LM: ``forward`` gives logits, ``hidden_states`` the input to the head."""
-
-    def __init__(self, args: Qwen3Args) -> None:
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(
-            Qwen3Block(args, self.feed_forward(i)) for i in range(args.n_layers)
-        )
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        # Derived from args, never checkpointed: init_weights recomputes it after to_empty.
-        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def feed_forward(self, layer_id: int) -> nn.Module:
-        """The MLP of layer ``layer_id``; Qwen3-MoE overrides this and nothing else structural."""
-        return FeedForward(self.args.dim, self.args.ffn_hidden_dim)
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Materialize every parameter and buffer from the current torch RNG (after to_empty)."""
-        args = self.args
-        if args.tie_embeddings:
-            # to_empty gives each module its own new Parameter, which breaks the tie.
-            self.output.weight = self.tok_embeddings.weight
-        self.inv_freq.copy_(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
-        nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD)
-        out_std = depth_scaled_std(INIT_STD, args.n_layers)
-        for layer in self.layers:
-            layer.attention.init_weights(INIT_STD, out_std)
-            layer.feed_forward.init_weights(INIT_STD, out_std)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not args.tie_embeddings:
-            nn.init.trunc_normal_(self.output.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
-
-    def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Final-norm output [b, s, dim], so a fused loss can apply ``output`` itself."""
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        cos, sin = rope_cos_sin(self.inv_freq, position_ids)
-        h = self.tok_embeddings(input_ids)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.norm(h)
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Logits [b, s, vocab] for token ids [b, s]; positions default to 0..s-1."""
-        return self.output(self.hidden_states(input_ids, position_ids))
-
-    def active_params(self) -> float:
-        """Weights a token is multiplied by: all but the input embedding, a lookup (a tied
-        table counts once, as the head)."""
-        n = sum(p.numel() for p in self.parameters())
-        if not self.args.tie_embeddings:
-            n -= self.tok_embeddings.weight.numel()
-        return n
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token at ``seq_len``, torchtitan's count:
-        6 per active weight, plus 12 * n_layers * n_heads * head_dim * seq_len for the QK^T
-        and AV matmuls (full, not causal-halved, scores)."""
-        args = self.args
-        attention = 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
-        return 6.0 * self.active_params() + attention
+    args: Qwen3Args
+    qk_norm = True

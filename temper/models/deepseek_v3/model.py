@@ -1,0 +1,104 @@
+"""DeepSeek V3: the Qwen3-MoE decoder with multi-head latent attention and DeepSeek's router."""
+
+import torch.distributed as dist
+from torch import nn
+
+from temper.models.deepseek_v3.args import DeepseekV3Args
+from temper.models.layers.decoder import Block
+from temper.models.layers.mla import MLA
+from temper.models.layers.mlp import FeedForward
+from temper.models.layers.moe import (
+    GroupLimitedRouter,
+    GroupLimitedRouting,
+    MoE,
+    update_expert_bias,
+)
+from temper.models.layers.norm import RMSNorm
+from temper.models.layers.rope import rope_inv_freq
+from temper.models.qwen3_moe.model import Qwen3MoeTransformer
+
+
+class DeepseekV3Block(Block):
+    """The shared pre-norm residual block (its ``forward``) with MLA in the attention slot.
+
+    ``Block.__init__`` builds GQA attention, so this one builds the same four modules.
+    """
+
+    def __init__(self, args: DeepseekV3Args, feed_forward: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.attention = MLA(
+            args.dim,
+            args.n_heads,
+            args.q_lora_rank,
+            args.kv_lora_rank,
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+            softmax_scale=args.softmax_scale,
+            rope_scale=args.rope_scale,
+            rope_interleaved=args.rope_interleave,
+        )
+        self.feed_forward = feed_forward
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class DeepseekV3Transformer(Qwen3MoeTransformer):
+    """DeepSeek V3 causal LM. Inherited from the shared Decoder and Qwen3-MoE: ``forward``,
+    ``hidden_states`` (packed documents, attention backends), ``init_weights``, ``aux_loss``,
+    ``load_imbalance`` and the active-parameter count (shared experts in full, routed ones
+    as top_k / n_experts).
+
+    ``Decoder.__init__`` hard-wires its GQA block, so this one builds the same attributes
+    (embedding, blocks, final norm, head, rope frequencies) with DeepSeek blocks.
+    """
+
+    args: DeepseekV3Args
+
+    def __init__(self, args: DeepseekV3Args) -> None:
+        nn.Module.__init__(self)
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(
+            DeepseekV3Block(args, self.feed_forward(i)) for i in range(args.n_layers)
+        )
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def feed_forward(self, layer_id: int) -> nn.Module:
+        args = self.args
+        if not args.is_moe_layer(layer_id):
+            return FeedForward(args.dim, args.ffn_hidden_dim)
+        return MoE(
+            args.dim,
+            args.moe_hidden_dim,
+            args.n_experts,
+            args.top_k,
+            args.norm_topk_prob,
+            group_limited=GroupLimitedRouting(
+                args.n_groups, args.topk_group, args.routed_scaling_factor
+            ),
+            n_shared_experts=args.n_shared_experts,
+        )
+
+    def update_expert_bias(self, rate: float, group: dist.ProcessGroup | None = None) -> None:
+        """The aux-loss-free balancing step, for the trainer to call after each optimizer step
+        (with ``args.expert_bias_update_rate``): every MoE layer's bias moves by ``rate``
+        towards an even load over the tokens routed since the last call, counts summed over
+        ``group`` (the data-parallel ranks; default: the world)."""
+        routers = [m for m in self.modules() if isinstance(m, GroupLimitedRouter)]
+        update_expert_bias(routers, rate, group)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token at ``seq_len``: 6 per active weight
+        plus MLA's scores, 6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len
+        (QK^T over qk_nope + qk_rope dims, AV over v dims; full, not causal-halved, as
+        torchtitan counts)."""
+        args = self.args
+        head_dims = args.qk_head_dim + args.v_head_dim
+        attention = 6.0 * args.n_layers * args.n_heads * head_dims * seq_len
+        return 6.0 * self.active_params() + attention

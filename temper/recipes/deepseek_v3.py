@@ -1,0 +1,58 @@
+"""DeepSeek V3 recipes: plain functions returning a Config; derive by calling and editing.
+
+The real sizes start from random weights unless `--model.hf_path` names a local HF folder
+(DeepSeek-V3, Moonlight-16B-A3B, ...), whose config.json then sets the architecture. Load
+balancing is DeepSeek's: the per-expert bias moves by `expert_bias_update_rate` after each
+optimizer step (the model's `update_expert_bias`), and `router_aux_loss_coef` is 0.
+"""
+
+from __future__ import annotations
+
+from temper.config import Config, Job, LRScheduler, Model, Optimizer, Training
+
+
+def deepseek_v3_debug() -> Config:
+    """A ~7.8M-parameter DeepSeek V3 (MLA, 8 experts in 2 groups, top 2, a shared expert,
+    layer 0 dense) on the built-in synthetic tasks; trains on a CPU in about a minute."""
+    return Config(
+        job=Job(dump_folder="./outputs/deepseek_v3_debug"),
+        model=Model(name="deepseek_v3", flavor="debug"),
+        training=Training(steps=60, seq_len=256, local_batch_size=8, max_norm=1.0),
+        optimizer=Optimizer(lr=2e-3, weight_decay=0.1),
+        lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
+    )
+
+
+def deepseek_v3_16b() -> Config:
+    """The 16B flavor (Moonlight-16B-A3B's shape: 64 experts, top 6, 2 shared) in bf16 at
+    4096 tokens, 128 sequences (0.5M tokens) per optimizer step on GPUs.
+
+    Its ~16B parameters (32 GB in bf16, plus fp32 masters and AdamW state) need expert
+    parallelism (`--parallelism.ep`) to fit on one node, which arrives with the EP work."""
+    return Config(
+        job=Job(dump_folder="./outputs/deepseek_v3_16b"),
+        model=Model(name="deepseek_v3", flavor="16b"),
+        training=Training(
+            steps=1000,
+            seq_len=4096,
+            local_batch_size=1,
+            global_batch_size=128,
+            dtype="bfloat16",
+            max_norm=1.0,
+        ),
+        optimizer=Optimizer(lr=1e-5, weight_decay=0.1),
+        lr_scheduler=LRScheduler(warmup_steps=50, decay="cosine", min_lr_ratio=0.1),
+    )
+
+
+def deepseek_v3_671b() -> Config:
+    """DeepSeek-V3 (671B, 256 experts, top 8 in 4 of 8 groups) in bf16 at 4096 tokens, 256
+    sequences (1M tokens) per optimizer step on GPUs.
+
+    Needs many nodes and expert parallelism (`--parallelism.ep`), which arrives with the EP
+    work: the weights alone are 1.3 TB in bf16, 656B of the 671B parameters in experts."""
+    config = deepseek_v3_16b()
+    config.job.dump_folder = "./outputs/deepseek_v3_671b"
+    config.model = Model(name="deepseek_v3", flavor="671b")
+    config.training.global_batch_size = 256
+    return config
