@@ -4,7 +4,6 @@ import torch.distributed as dist
 from torch import nn
 
 from temper.models.deepseek_v3.args import DeepseekV3Args
-from temper.models.layers.decoder import Block
 from temper.models.layers.mla import MLA
 from temper.models.layers.mlp import FeedForward
 from temper.models.layers.moe import (
@@ -13,20 +12,20 @@ from temper.models.layers.moe import (
     MoE,
     update_expert_bias,
 )
-from temper.models.layers.norm import RMSNorm
-from temper.models.layers.rope import rope_inv_freq
 from temper.models.qwen3_moe.model import Qwen3MoeTransformer
 
 
-class DeepseekV3Block(Block):
-    """The shared pre-norm residual block (its ``forward``) with MLA in the attention slot.
+class DeepseekV3Transformer(Qwen3MoeTransformer):
+    """DeepSeek V3 causal LM. Inherited from the shared Decoder and Qwen3-MoE: ``forward``,
+    ``hidden_states`` (packed documents, attention backends), ``init_weights``, ``aux_loss``,
+    ``load_imbalance`` and the active-parameter count (shared experts in full, routed ones
+    as top_k / n_experts). It states only its attention (MLA) and its MoE."""
 
-    ``Block.__init__`` builds GQA attention, so this one builds the same four modules.
-    """
+    args: DeepseekV3Args
 
-    def __init__(self, args: DeepseekV3Args, feed_forward: nn.Module) -> None:
-        nn.Module.__init__(self)
-        self.attention = MLA(
+    def attention(self, layer_id: int) -> nn.Module:
+        args = self.args
+        return MLA(
             args.dim,
             args.n_heads,
             args.q_lora_rank,
@@ -38,36 +37,6 @@ class DeepseekV3Block(Block):
             rope_scale=args.rope_scale,
             rope_interleaved=args.rope_interleave,
         )
-        self.feed_forward = feed_forward
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-
-
-class DeepseekV3Transformer(Qwen3MoeTransformer):
-    """DeepSeek V3 causal LM. Inherited from the shared Decoder and Qwen3-MoE: ``forward``,
-    ``hidden_states`` (packed documents, attention backends), ``init_weights``, ``aux_loss``,
-    ``load_imbalance`` and the active-parameter count (shared experts in full, routed ones
-    as top_k / n_experts).
-
-    ``Decoder.__init__`` hard-wires its GQA block, so this one builds the same attributes
-    (embedding, blocks, final norm, head, rope frequencies) with DeepSeek blocks.
-    """
-
-    args: DeepseekV3Args
-
-    def __init__(self, args: DeepseekV3Args) -> None:
-        nn.Module.__init__(self)
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(
-            DeepseekV3Block(args, self.feed_forward(i)) for i in range(args.n_layers)
-        )
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def feed_forward(self, layer_id: int) -> nn.Module:
         args = self.args

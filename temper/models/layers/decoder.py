@@ -2,8 +2,9 @@
 
 Embedding, pre-norm blocks of rotary GQA attention and an MLP, final norm and LM head, with
 optional tied embeddings. A family subclasses ``Decoder`` and sets ``qk_norm`` or overrides
-``feed_forward(layer_id)`` (dense, bias or MoE). ``attn_backend`` is a run-time choice, not
-part of the architecture: it never enters the state dict.
+``attention(layer_id)`` (MLA) and ``feed_forward(layer_id)`` (dense, bias or MoE).
+``attn_backend`` is a run-time choice, not part of the architecture: it never enters the
+state dict.
 """
 
 from __future__ import annotations
@@ -43,16 +44,9 @@ class DecoderArgs(Protocol):
 class Block(nn.Module):
     """Pre-norm block: attention then the MLP, each added to the residual stream."""
 
-    def __init__(self, args: DecoderArgs, feed_forward: nn.Module, qk_norm: bool) -> None:
+    def __init__(self, args: DecoderArgs, attention: nn.Module, feed_forward: nn.Module) -> None:
         super().__init__()
-        self.attention = Attention(
-            args.dim,
-            args.n_heads,
-            args.n_kv_heads,
-            args.head_dim,
-            bias=args.attention_bias,
-            qk_norm_eps=args.norm_eps if qk_norm else None,
-        )
+        self.attention = attention
         self.feed_forward = feed_forward
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -82,7 +76,7 @@ class Decoder(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(
-            Block(args, self.feed_forward(i), self.qk_norm) for i in range(args.n_layers)
+            Block(args, self.attention(i), self.feed_forward(i)) for i in range(args.n_layers)
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -91,6 +85,18 @@ class Decoder(nn.Module):
         # Derived from args, never checkpointed: init_weights recomputes it after to_empty.
         inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def attention(self, layer_id: int) -> nn.Module:
+        """The attention of layer ``layer_id``: rotary GQA unless a family overrides it."""
+        args = self.args
+        return Attention(
+            args.dim,
+            args.n_heads,
+            args.n_kv_heads,
+            args.head_dim,
+            bias=args.attention_bias,
+            qk_norm_eps=args.norm_eps if self.qk_norm else None,
+        )
 
     def feed_forward(self, layer_id: int) -> nn.Module:
         """The MLP of layer ``layer_id``: a bias-free SwiGLU unless a family overrides it."""
