@@ -1,7 +1,9 @@
 """Config tree, recipe loading and typed CLI overrides."""
 
 from temper.config.config import (
+    ActivationCheckpoint,
     Checkpoint,
+    Compile,
     Config,
     ConfigError,
     Data,
@@ -16,7 +18,9 @@ from temper.config.config import (
 from temper.config.loading import load_config, save_config
 
 __all__ = [
+    "ActivationCheckpoint",
     "Checkpoint",
+    "Compile",
     "Config",
     "ConfigError",
     "Data",

@@ -34,6 +34,10 @@ class Model:
     hf_path: str | None = None
     """Local Hugging Face folder: its config.json sets the family and sizes (name and
     flavor are then ignored), its safetensors the weights, its tokenizer.json the tokenizer."""
+    attn: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
+    """Attention backend (block-causal over packed documents): sdpa with an explicit mask
+    (reference, CPU training), flex (FlexAttention; CUDA, forward only on CPU), varlen (flash,
+    CUDA sm80+, bf16). auto = sdpa, or for packed documents on CUDA varlen else flex."""
 
 
 @dataclass
@@ -110,6 +114,22 @@ class Parallelism:
     """Ulysses sequence-parallel degree."""
     ep: int = 1
     """Expert-parallel degree."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free a block's gathered weights after its forward (and gather again for backward)?
+    default: every block but the last; always; never (more memory, less communication)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Per block: none stores every activation; full keeps only block inputs and recomputes
+    the rest in backward; selective also keeps matmul and attention outputs."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each decoder block (regional compilation), on CPU and GPU."""
 
 
 @dataclass
@@ -131,6 +151,8 @@ class Config:
     metrics: Metrics = field(default_factory=Metrics)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError naming the first field that breaks a rule."""
@@ -146,6 +168,7 @@ class Config:
         for name in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps"):
             if _get(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {_get(self, name)}")
+        _check_not_yet_available(self)
         dp = self.data_parallel_size(world_size)
         local, global_ = self.training.local_batch_size, self.training.global_batch_size
         if global_ != -1 and (global_ <= 0 or global_ % (local * dp)):
@@ -154,28 +177,13 @@ class Config:
                 f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
             )
         _check_model(self.model)
-        _check_not_yet_available(self)
+        _check_attention(self)
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks that see different data: the world divided by the non-data degrees."""
-        p = self.parallelism
-        for name in ("dp_replicate", "sp", "ep"):
-            if getattr(p, name) < 1:
-                raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(p, name)}")
-        if p.dp_shard == 0 or p.dp_shard < -1:
-            raise ConfigError(f"parallelism.dp_shard must be -1 or >= 1, got {p.dp_shard}")
-        if world_size % (p.dp_replicate * p.sp):
-            raise ConfigError(
-                f"world size {world_size} is not divisible by parallelism.dp_replicate x "
-                f"parallelism.sp ({p.dp_replicate} x {p.sp})"
-            )
-        dp_shard = world_size // (p.dp_replicate * p.sp) if p.dp_shard == -1 else p.dp_shard
-        if p.dp_replicate * dp_shard * p.sp != world_size:
-            raise ConfigError(
-                f"parallelism.dp_replicate x dp_shard x sp = {p.dp_replicate} x {dp_shard} x "
-                f"{p.sp} does not equal the world size {world_size}"
-            )
-        return p.dp_replicate * dp_shard
+        from temper.parallel.dims import ParallelDims
+
+        return ParallelDims.from_config(self.parallelism, world_size).dp
 
     def grad_accum_steps(self, world_size: int) -> int:
         dp = self.data_parallel_size(world_size)
@@ -229,6 +237,20 @@ def _check_model(model: Model) -> None:
             f"model.flavor {model.flavor!r} is not a flavor of {model.name}; choose one of "
             f"{', '.join(flavors)}"
         )
+
+
+def _check_attention(config: Config) -> None:
+    """A backend that this machine's training device lacks fails here, before any work."""
+    import torch
+
+    from temper.kernels.attention import backend_unavailable
+    from temper.utils.device import resolve_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(config.training.dtype, device)
+    reason = backend_unavailable(config.model.attn, device, dtype, backward=True)
+    if reason is not None:
+        raise ConfigError(f"model.attn {config.model.attn!r}: {reason}")
 
 
 def _check_not_yet_available(config: Config) -> None:

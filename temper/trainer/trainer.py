@@ -14,7 +14,11 @@ from temper.models import build_hf_model, build_model, materialize
 from temper.objectives import CausalLM, Objective, count_tokens
 from temper.objectives.causal_lm import Batch
 from temper.optim import build_lr_scheduler, build_optimizer
-from temper.parallel.data_parallel import all_reduce_gradients, all_reduce_sum
+from temper.parallel.collectives import all_reduce_sum
+from temper.parallel.dims import ParallelDims
+from temper.parallel.grad_norm import clip_grad_norm_
+from temper.parallel.parallelize import parallelize_decoder
+from temper.parallel.sharded_init import layout_invariant_init
 from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
 from temper.utils.device import Runtime, init_runtime, resolve_dtype, seed_everything
 from temper.utils.peak_flops import peak_flops
@@ -31,6 +35,7 @@ class Trainer:
         self.config = config
         self.runtime = runtime or init_runtime()
         config.validate(self.runtime.world_size)
+        self.dims = ParallelDims.from_config(config.parallelism, self.runtime.world_size)
         self.device = self.runtime.device
         self.dtype = resolve_dtype(config.training.dtype, self.device)
         seed_everything(config.training.seed, config.training.deterministic)
@@ -38,14 +43,16 @@ class Trainer:
         self.tokenizer = load_tokenizer(config.data.tokenizer_path or config.model.hf_path)
         model = build_meta_model(config)
         _check_vocab(self.tokenizer, model.tok_embeddings.num_embeddings, config)
-        self.model = materialize(model, self.device, config.model.hf_path)
+        meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None
+        parallelize_decoder(model, config, meshes, self.dtype)
+        with layout_invariant_init():
+            self.model = materialize(model, self.device, config.model.hf_path)
         self.objective: Objective = CausalLM()
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.lr_scheduler, config.training.steps
         )
 
-        dp_world = config.data_parallel_size(self.runtime.world_size)
         self.grad_accum = config.grad_accum_steps(self.runtime.world_size)
         self.loader: BatchLoader = build_text_loader(
             self.tokenizer,
@@ -54,8 +61,8 @@ class Trainer:
             path=config.data.path,
             text_field=config.data.text_field,
             seed=config.training.seed,
-            dp_rank=self.runtime.rank % dp_world,
-            dp_world=dp_world,
+            dp_rank=self.dims.data_rank(self.runtime.rank),
+            dp_world=self.dims.dp,
         )
         self.step = 0
         self.metrics = MetricsLogger(
@@ -109,9 +116,8 @@ class Trainer:
                 micro_loss, _, _ = self.objective.loss(self.model, batch)
             (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach().float()
-        all_reduce_gradients(self.model)
         max_norm = self.config.training.max_norm or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         loss = all_reduce_sum(loss_sum) / global_tokens
 
         self.step += 1
@@ -129,7 +135,9 @@ class Trainer:
         return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        if self.dtype == torch.float32:
+        """bf16 compute on one rule: a sharded model gets it from FSDP's mixed-precision policy
+        (bf16 gathers, fp32 masters and reductions), an unsharded one from autocast."""
+        if self.dtype == torch.float32 or self.dims.sharded:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 

@@ -146,7 +146,8 @@ def test_help_groups_fields_with_types_and_defaults(capsys) -> None:
         ("model.flavor", "9b", "model.flavor '9b' is not a flavor of llama3; choose one of"),
         ("model.name", "gpt2", "model.name 'gpt2' is not a registered model"),
         ("parallelism.dp_shard", 0, "parallelism.dp_shard must be -1 or >= 1"),
-        ("parallelism.sp", 3, "world size 1 is not divisible"),
+        ("parallelism.dp_replicate", 3, r"world size 1 is not divisible .* \(3 x 1\)"),
+        ("parallelism.dp_replicate", 0, "parallelism.dp_replicate must be >= 1, got 0"),
     ],
 )
 def test_validate_names_the_field(field: str, value: object, message: str) -> None:
@@ -188,10 +189,38 @@ def test_global_batch_and_accumulation() -> None:
 def test_sp_and_ep_are_not_data_parallel() -> None:
     config = Config()
     config.parallelism.sp = 2
+    config.parallelism.ep = 4
     assert config.data_parallel_size(8) == 4
     config.parallelism.dp_shard = 3
     with pytest.raises(ConfigError, match="1 x 3 x 2 does not equal the world size 8"):
-        config.validate(world_size=8)
+        config.data_parallel_size(8)
+
+
+def test_sp_is_rejected_before_its_degree_is_checked() -> None:
+    config = Config()
+    config.parallelism.sp = 3
+    with pytest.raises(ConfigError, match="parallelism.sp = 3: this feature is not available"):
+        config.validate(world_size=1)
+
+
+def test_new_sections_parse_and_default_off() -> None:
+    config = load_config(
+        MODULE,
+        RECIPE,
+        [
+            "--activation_checkpoint.mode",
+            "selective",
+            "--compile.enable",
+            "--parallelism.fsdp_reshard_after_forward",
+            "never",
+        ],
+    )
+    assert config.activation_checkpoint.mode == "selective"
+    assert config.compile.enable is True
+    assert config.parallelism.fsdp_reshard_after_forward == "never"
+    assert Config().activation_checkpoint.mode == "none" and not Config().compile.enable
+    with pytest.raises(SystemExit):
+        load_config(MODULE, RECIPE, ["--activation_checkpoint.mode", "partial"])
 
 
 def test_saved_config_is_the_resolved_one(tmp_path) -> None:

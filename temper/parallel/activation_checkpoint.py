@@ -1,0 +1,61 @@
+"""Activation checkpointing per decoder block: store less in forward, recompute in backward.
+
+`full` keeps only each block's input; `selective` also keeps the outputs of matmuls and
+attention (the expensive ops) and recomputes the cheap element-wise rest. The block's
+`forward` is replaced in place, so parameter names, and thus checkpoints and HF loading,
+do not change.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
+
+CheckpointMode = Literal["none", "full", "selective"]
+
+_aten = torch.ops.aten
+_SAVED_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._grouped_mm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: CheckpointMode) -> None:
+    """Checkpoint every block in `mode`; `none` leaves them untouched."""
+    if mode == "none":
+        return
+    context_fn = _keep_matmul_outputs if mode == "selective" else noop_context_fn
+    for block in blocks:
+        block.forward = _checkpointed(block.forward, context_fn)
+
+
+def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_matmul_outputs() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_save_matmuls)

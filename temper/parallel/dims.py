@@ -1,0 +1,122 @@
+"""Parallel degrees from `--parallelism.*`, checked against the world, and the meshes they name.
+
+Ranks are laid out row-major over ``(dp_replicate, dp_shard, sp)``: the ranks of one
+SP group are neighbours, then the shards of one replica, then the replicas. Every mesh
+below is a view of that one layout, so a rank's coordinates agree across meshes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from temper.config.config import ConfigError, Parallelism
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees whose product is the world size (``dp_shard`` is never -1 here)."""
+
+    dp_replicate: int
+    dp_shard: int
+    sp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, parallelism: Parallelism, world_size: int) -> ParallelDims:
+        """Resolve ``dp_shard = -1`` to the rest of the world and check every rule.
+
+        Runs before any model or process group exists; errors name fields and numbers.
+        """
+        p = parallelism
+        for name in ("dp_replicate", "sp", "ep"):
+            if getattr(p, name) < 1:
+                raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(p, name)}")
+        if p.dp_shard == 0 or p.dp_shard < -1:
+            raise ConfigError(f"parallelism.dp_shard must be -1 or >= 1, got {p.dp_shard}")
+        if world_size < 1:
+            raise ConfigError(f"world size must be >= 1, got {world_size}")
+        if world_size % (p.dp_replicate * p.sp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallelism.dp_replicate x "
+                f"parallelism.sp ({p.dp_replicate} x {p.sp})"
+            )
+        dp_shard = world_size // (p.dp_replicate * p.sp) if p.dp_shard == -1 else p.dp_shard
+        if p.dp_replicate * dp_shard * p.sp != world_size:
+            raise ConfigError(
+                f"parallelism.dp_replicate x dp_shard x sp = {p.dp_replicate} x {dp_shard} x "
+                f"{p.sp} does not equal the world size {world_size}"
+            )
+        if (dp_shard * p.sp) % p.ep:
+            raise ConfigError(
+                f"parallelism.ep ({p.ep}) must divide parallelism.dp_shard x sp "
+                f"({dp_shard} x {p.sp} = {dp_shard * p.sp}): experts are split within one "
+                "FSDP group"
+            )
+        return cls(p.dp_replicate, dp_shard, p.sp, p.ep, world_size)
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks one parameter is sharded over: SP ranks hold different tokens, so they shard
+        (and sum gradients) like data-parallel ranks."""
+        return self.dp_shard * self.sp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks one expert's weights are sharded over, inside the FSDP group."""
+        return self.fsdp // self.ep
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are sharded: FSDP2 applies to every world larger than one."""
+        return self.world_size > 1
+
+    def data_rank(self, rank: int) -> int:
+        """This rank's index among the `dp` data shards; the ranks of one SP group share it."""
+        return rank // self.sp
+
+    def build_meshes(self, device_type: str) -> Meshes:
+        """The named meshes (collective: every rank calls this in the same order)."""
+        world = init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard, self.sp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "sp"),
+        )
+        fsdp = init_device_mesh(
+            device_type, (self.dp_replicate, self.fsdp), mesh_dim_names=("dp_replicate", "fsdp")
+        )
+        expert = None
+        if self.ep > 1:
+            expert = init_device_mesh(
+                device_type,
+                (self.dp_replicate, self.efsdp, self.ep),
+                mesh_dim_names=("edp", "efsdp", "ep"),
+            )
+        return Meshes(world=world, hsdp=fsdp, expert=expert)
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """Device meshes over one rank layout; see the module docstring."""
+
+    world: DeviceMesh
+    """``(dp_replicate, dp_shard, sp)``: data shards are its first two dims, ``world["sp"]``
+    is the sequence-parallel group."""
+    hsdp: DeviceMesh
+    """``(dp_replicate, fsdp)`` with ``fsdp = dp_shard x sp``: HSDP replicates over the first
+    dim and shards over the second."""
+    expert: DeviceMesh | None
+    """``(edp, efsdp, ep)`` for expert weights when ``ep > 1``: ``edp = dp_replicate`` and
+    ``efsdp x ep`` is the FSDP group."""
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """The mesh `fully_shard` takes: 2-D (HSDP) with replicas, else the 1-D shard mesh."""
+        return self.hsdp if self.hsdp["dp_replicate"].size() > 1 else self.hsdp["fsdp"]

@@ -1,0 +1,71 @@
+"""FSDP2 over a decoder: one unit per block, then embeddings, head and root; gradients summed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+ReshardPolicy = Literal["default", "always", "never"]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reshard_after_forward: ReshardPolicy,
+) -> None:
+    """Shard `model` (on meta or materialized) over `mesh`: 1-D FSDP or 2-D HSDP.
+
+    Expects the decoder layout ``tok_embeddings, layers, norm, output``. A tied embedding and
+    head share one parameter, which FSDP requires to live in one unit: the root. Untied, the
+    embedding is its own unit (freed after the first block) and the final norm and head form
+    one (their backward starts right after the forward, so they stay gathered). Gradients are
+    summed, not averaged: the trainer already divides the loss by the global token count.
+    """
+    mp = mixed_precision(param_dtype)
+    blocks = list(model.layers)
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=_reshard(reshard_after_forward, needed_next=last),
+        )
+    if model.output.weight is not model.tok_embeddings.weight:
+        fully_shard(
+            model.tok_embeddings,
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=_reshard(reshard_after_forward, needed_next=False),
+        )
+        fully_shard(
+            [model.norm, model.output],
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=_reshard(reshard_after_forward, needed_next=True),
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def mixed_precision(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """Compute in `param_dtype` from fp32 master weights; reduce gradients in fp32."""
+    if param_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def _reshard(policy: ReshardPolicy, needed_next: bool) -> bool:
+    """Free gathered weights after forward? `default`: yes, unless backward needs them next."""
+    if policy == "default":
+        return not needed_next
+    return policy == "always"

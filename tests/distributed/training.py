@@ -1,0 +1,97 @@
+"""Training runs for the distributed tests: one recipe in several layouts, metrics back.
+
+Every layout trains the same global batch of 8 sequences per step; the reference is one
+process doing it as 2 accumulated micro-batches of 4.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import run_on_ranks
+
+from temper.config import Config
+
+STEPS = 5
+GLOBAL_BATCH = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    world: int
+    local_batch: int
+    parallelism: dict[str, Any] = field(default_factory=dict)
+
+
+SINGLE = Layout("single", world=1, local_batch=4)
+FSDP2 = Layout("fsdp2", world=2, local_batch=4)
+HSDP2X2 = Layout("hsdp2x2", world=4, local_batch=2, parallelism={"dp_replicate": 2})
+FSDP4 = Layout("fsdp4", world=4, local_batch=2)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What rank 0 saw: the logged metrics and how the model was wrapped and compiled."""
+
+    rows: list[dict[str, float]]
+    fsdp_units: list[str]
+    tied: bool
+    param_dtypes: list[str]
+    compiled_graphs: int
+
+
+def parity_config(recipe: Callable[[], Config], folder: Path, layout: Layout) -> Config:
+    """`recipe` shortened to STEPS steps of GLOBAL_BATCH x 64 tokens, laid out as `layout`."""
+    config = recipe()
+    config.job.dump_folder = str(folder / layout.name)
+    config.training.steps = STEPS
+    config.training.seq_len = 64
+    config.training.local_batch_size = layout.local_batch
+    config.training.global_batch_size = GLOBAL_BATCH
+    config.metrics.tensorboard = False
+    for name, value in layout.parallelism.items():
+        setattr(config.parallelism, name, value)
+    return config
+
+
+def train(config: Config, layout: Layout) -> Run:
+    """Train `config` on `layout.world` gloo ranks; rank 0's view of the run."""
+    return run_on_ranks(_train_rank, layout.world, config)[0]
+
+
+def assert_same_metrics(
+    rows: list[dict[str, float]], reference: list[dict[str, float]], rel: float = 1e-5
+) -> None:
+    """Every step's loss and gradient norm within `rel` of the reference's."""
+    steps = [row["step"] for row in rows]
+    assert steps == [row["step"] for row in reference] == list(range(1, len(steps) + 1))
+    for row, ref in zip(rows, reference, strict=True):
+        assert row["loss"] == pytest.approx(ref["loss"], rel=rel), f"step {row['step']}"
+        assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rel), f"step {row['step']}"
+
+
+def _train_rank(config: Config) -> Run | None:
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import FSDPModule
+
+    from temper.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer.train()
+    if not trainer.runtime.is_main:
+        return None
+    model = trainer.model
+    metrics = Path(config.job.dump_folder) / "metrics.jsonl"
+    return Run(
+        rows=[json.loads(line) for line in metrics.read_text().splitlines()],
+        fsdp_units=[name for name, m in model.named_modules() if isinstance(m, FSDPModule)],
+        tied=model.output.weight is model.tok_embeddings.weight,
+        param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+        compiled_graphs=counters["stats"]["unique_graphs"],
+    )
