@@ -173,13 +173,25 @@ def attention(
     *,
     backend: Backend = "auto",
     scale: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal (block-causal with ``docs``) attention: q, k [b, s, h(_kv), d] and
     v [b, s, h_kv, d_v] with h a multiple of h_kv (GQA) -> [b, s, h, d_v]. ``scale`` replaces
     the softmax scale ``d ** -0.5`` (MLA's YaRN correction); ``d_v`` may differ from ``d`` (MLA).
 
+    ``mask`` [b, 1, s_q, s_k] (True: attend) replaces causal order where queries do not line
+    up with keys: new tokens against a KV cache (``temper.models.layers.kv_cache``). It runs
+    on sdpa, the one backend that takes an arbitrary mask.
+
     Heads stay on dim 2 so sequence-parallel all-to-alls can wrap this function unchanged.
     """
+    if mask is not None:
+        if docs is not None or backend not in ("auto", "sdpa"):
+            raise AttentionBackendError(
+                f"an explicit attention mask runs on sdpa without documents, got backend "
+                f"{backend!r} and docs={docs is not None}"
+            )
+        return _sdpa_with_mask(q, k, v, mask, scale)
     if docs is not None and tuple(docs.doc_ids.shape) != tuple(q.shape[:2]):
         raise ValueError(
             f"document mask is for [batch, seq] = {list(docs.doc_ids.shape)}, attention got "
@@ -197,12 +209,23 @@ def _sdpa(
     scale: float | None,
 ) -> torch.Tensor:
     """The reference: is_causal without documents, else the explicit block-causal mask."""
+    return _sdpa_with_mask(q, k, v, None if docs is None else docs.dense(), scale)
+
+
+def _sdpa_with_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """sdpa on [b, s, h, d] tensors; a boolean ``mask`` [b, 1, s_q, s_k], or causal if None."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=None if docs is None else docs.dense(),
-        is_causal=docs is None,
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )

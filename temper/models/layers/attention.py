@@ -11,6 +11,7 @@ from torch import nn
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.attention import attention as causal_attention
 from temper.models.layers.init import init_linear
+from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
 
@@ -58,9 +59,15 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         docs: DocumentMask | None = None,
         backend: Backend = "auto",
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        """``cache`` (decoding): attend to its keys too, after adding this call's."""
         b, s, _ = x.shape
         q = apply_rope(self.q_norm(self.wq(x).view(b, s, -1, self.head_dim)), cos, sin)
         k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), cos, sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        return self.wo(causal_attention(q, k, v, docs, backend=backend).reshape(b, s, -1))
+        if cache is None:
+            out = causal_attention(q, k, v, docs, backend=backend)
+        else:
+            out = cache.attend(q, k, v)
+        return self.wo(out.reshape(b, s, -1))

@@ -17,6 +17,7 @@ from torch import nn
 from temper.kernels.attention import Backend, DocumentMask, prepare_documents
 from temper.models.layers.attention import Attention
 from temper.models.layers.init import depth_scaled_std
+from temper.models.layers.kv_cache import KVCache, LayerCache
 from temper.models.layers.mlp import FeedForward
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import RopeScaling, rope_cos_sin, rope_inv_freq
@@ -58,8 +59,9 @@ class Block(nn.Module):
         sin: torch.Tensor,
         docs: DocumentMask | None = None,
         backend: Backend = "auto",
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, docs, backend)
+        h = x + self.attention(self.attention_norm(x), cos, sin, docs, backend, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -126,19 +128,30 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         docs: DocumentMask | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Final-norm output [b, s, dim], so a fused loss can apply ``output`` itself.
 
         ``docs`` (from the full batch's ``position_ids``) keeps packed documents apart;
-        without it each row is one causal sequence.
+        without it each row is one causal sequence. With a KV ``cache`` (decoding) the tokens
+        follow those of earlier calls, whose keys it holds; attention then runs on sdpa with
+        the cache's mask, whatever ``attn_backend`` is.
         """
+        start = 0 if cache is None else cache.length
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids[None]
         cos, sin = rope_cos_sin(self.inv_freq, position_ids)
         h = self.tok_embeddings(input_ids)
-        backend, docs = prepare_documents(self.attn_backend, docs, h)
-        for layer in self.layers:
-            h = layer(h, cos, sin, docs, backend)
+        if cache is None:
+            backend, docs = prepare_documents(self.attn_backend, docs, h)
+            caches: list[LayerCache | None] = [None] * len(self.layers)
+        elif docs is not None:
+            raise ValueError("a KV cache decodes whole rows; packed documents are for training")
+        else:
+            backend, caches = "sdpa", cache.extend(input_ids.shape[1])
+        for layer, layer_cache in zip(self.layers, caches, strict=True):
+            h = layer(h, cos, sin, docs, backend, layer_cache)
         return self.norm(h)
 
     def forward(
@@ -146,9 +159,15 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         docs: DocumentMask | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Logits [b, s, vocab] for token ids [b, s]; positions default to 0..s-1."""
-        return self.output(self.hidden_states(input_ids, position_ids, docs))
+        """Logits [b, s, vocab] for token ids [b, s]; positions default to 0..s-1.
+
+        With a KV ``cache`` (decoding, see ``hidden_states``), only the last position's logits
+        [b, 1, vocab]: nothing else is sampled from, and a long prompt's would be huge.
+        """
+        h = self.hidden_states(input_ids, position_ids, docs, cache)
+        return self.output(h if cache is None else h[:, -1:])
 
     def active_params(self) -> float:
         """Weights a token is multiplied by: all but the input embedding, a lookup (a tied

@@ -6,6 +6,7 @@ from torch import nn
 from temper.kernels.attention import Backend, DocumentMask
 from temper.models.layers.attention import causal_attention
 from temper.models.layers.init import init_linear
+from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
 
@@ -78,9 +79,11 @@ class MLA(nn.Module):
         sin: torch.Tensor,
         docs: DocumentMask | None = None,
         backend: Backend = "auto",
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         """x [b, s, dim] and fp32 cos/sin [b, s, qk_rope_head_dim] -> [b, s, dim]; ``docs``
-        and ``backend`` as for ``causal_attention``."""
+        and ``backend`` as for ``causal_attention``; ``cache`` (decoding) keeps the expanded
+        per-head keys and values."""
         b, s, _ = x.shape
         q = self.wq(x) if self.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(b, s, self.n_heads, -1).split(
@@ -98,5 +101,8 @@ class MLA(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_interleaved)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, self.n_heads, -1)), dim=-1)
-        out = causal_attention(q, k, v, docs, backend=backend, scale=self.softmax_scale)
+        if cache is None:
+            out = causal_attention(q, k, v, docs, backend=backend, scale=self.softmax_scale)
+        else:
+            out = cache.attend(q, k, v, scale=self.softmax_scale)
         return self.wo(out.flatten(2))

@@ -1,0 +1,47 @@
+"""The next token from a row of logits: greedy, or a sample at a temperature, optionally
+restricted to the ``top_k`` most likely tokens and to the nucleus of probability ``top_p``."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
+    """Refuse settings that have no meaning, naming the argument, before any model work."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """logits [b, vocab] -> token ids [b]. Temperature 0 is greedy (top-k/top-p then change
+    nothing); otherwise the logits are divided by the temperature, filtered by top-k, then by
+    top-p, and a token is drawn with ``generator`` (same generator state, same tokens)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        logits = _nucleus(logits, top_p)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the fewest most likely tokens whose probabilities sum to at least ``top_p``: a token
+    goes once the tokens more likely than it already reach ``top_p`` (the first always stays)."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    ahead = probs.cumsum(dim=-1) - probs
+    ordered = ordered.masked_fill(ahead >= top_p, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, ordered)

@@ -1,0 +1,73 @@
+"""Keys and values kept between decoding steps, so each step runs the model on new tokens only.
+
+Rows are decoded in lockstep: every forward appends the same number of tokens to each row, so
+one column index serves the whole batch. Prompts of different lengths are left-padded; a
+``valid`` mask over the columns hides the padding. Each layer stores the keys and values its
+attention hands it: rotary GQA stores ``[b, max_len, n_kv_heads, head_dim]``, MLA its
+per-head expanded keys and values (what transformers caches too), which costs more memory than
+the latent but reads the same way as GQA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from temper.kernels.attention import attention
+
+
+class KVCache:
+    """Every layer's keys and values for a batch of rows decoded together.
+
+    ``valid`` [b, max_len] is True where a column holds a real token (False: left padding);
+    ``length`` columns are filled. ``mask`` [b, 1, n, length] is the running forward's: a query
+    at column i attends to the valid columns up to i, and a padding query to itself only, so no
+    softmax row is empty (an empty row gives NaN, which would reach real tokens through the
+    cached values even with a weight of 0).
+
+    Plain classes, not dataclasses: FSDP2 rebuilds dataclass arguments when it casts a
+    module's inputs, and the copy would drop what a layer writes.
+    """
+
+    def __init__(self, valid: torch.Tensor, n_layers: int) -> None:
+        self.valid = valid
+        self.length = 0
+        self.mask: torch.Tensor | None = None
+        self.layers = [LayerCache(self) for _ in range(n_layers)]
+
+    def extend(self, n: int) -> list[LayerCache]:
+        """Open ``n`` more columns for the forward about to run, build the mask its layers
+        share, and return one cache per layer."""
+        start, end = self.length, self.length + n
+        if end > self.valid.shape[1]:
+            raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
+        keys = torch.arange(end, device=self.valid.device)
+        queries = keys[start:, None]
+        visible = self.valid[:, None, :end] | (keys == queries)
+        self.mask = (visible & (keys <= queries)).unsqueeze(1)
+        self.length = end
+        return self.layers
+
+
+class LayerCache:
+    """One layer's keys and values, allocated on first use with the shape and dtype the layer
+    produces (so GQA and MLA layers share the class)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """Store this forward's k, v [b, n, h_kv, d] in their columns, then attend q [b, n, h, d]
+        to every key so far: [b, n, h, d_v]. ``scale`` as for ``attention``."""
+        cache = self.cache
+        if self.k is None or self.v is None:
+            b, max_len = cache.valid.shape
+            self.k = k.new_zeros(b, max_len, *k.shape[2:])
+            self.v = v.new_zeros(b, max_len, *v.shape[2:])
+        start, end = cache.length - k.shape[1], cache.length
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        return attention(q, self.k[:, :end], self.v[:, :end], scale=scale, mask=cache.mask)

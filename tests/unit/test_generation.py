@@ -1,0 +1,239 @@
+"""Generation against references: decoding each prompt alone without a cache, the trainer's
+forward for log-probabilities, transformers' generate, and sampling distributions by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from temper.generation import KVCache, generate, sample_next
+from temper.kernels.attention import AttentionBackendError, attention
+from temper.kernels.cross_entropy import IGNORE_INDEX, linear_log_probs
+from temper.models import get_model_spec, load_hf, materialize
+from temper.objectives.causal_lm import documents
+
+VOCAB = 128
+SMALL = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": VOCAB, "ffn_hidden_dim": 96}
+TINY = {  # each family's debug flavor, shrunk; every MoE family keeps one dense and one MoE block
+    "llama3": {**SMALL, "n_kv_heads": 2, "head_dim": 16},
+    "qwen3": {**SMALL, "n_kv_heads": 2, "head_dim": 16},
+    "qwen3_moe": {**SMALL, "n_kv_heads": 2, "head_dim": 16, "moe_hidden_dim": 32},
+    "deepseek_v3": {
+        **SMALL,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 10,
+        "moe_hidden_dim": 32,
+    },
+}
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 1, 2]]
+NEW = 6
+
+
+def tiny_model(family: str) -> nn.Module:
+    spec = get_model_spec(family)
+    args = dataclasses.replace(spec.flavors["debug"], **TINY[family])
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return materialize(model, "cpu")
+
+
+def greedy_alone(model: nn.Module, prompt: list[int], n: int) -> list[int]:
+    """The reference: one prompt, no padding, no cache, the whole sequence every step."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def trainer_log_probs(model: nn.Module, prompts: list[list[int]], completions: list[list[int]]):
+    """Each completion token's log-probability as the trainer computes it: all sequences
+    packed in one row (positions restart per document), hidden states, then the LM head's
+    log-softmax on completion labels only."""
+    ids, positions, labels = [], [], []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        seq = prompt + completion
+        ids += seq
+        positions += range(len(seq))
+        labels += [IGNORE_INDEX] * (len(prompt) - 1) + completion + [IGNORE_INDEX]
+    batch = {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([positions])}
+    with torch.no_grad():
+        hidden = model.hidden_states(batch["input_ids"], batch["position_ids"], documents(batch))
+        log_probs, _ = linear_log_probs(hidden, model.output.weight, torch.tensor([labels]))
+    return log_probs[0][torch.tensor(labels) != IGNORE_INDEX]
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_cached_batched_greedy_equals_each_prompt_decoded_alone(family: str) -> None:
+    model = tiny_model(family)
+    out = generate(model, PROMPTS, NEW)
+    assert out.tokens.tolist() == [greedy_alone(model, p, NEW) for p in PROMPTS]
+    assert out.lengths.tolist() == [NEW] * len(PROMPTS)
+    assert out.log_probs is None
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_sampled_log_probs_equal_the_trainer_forward(family: str) -> None:
+    """Sampled with temperature, top-k and top-p, but the log-probabilities are the model's
+    own (temperature 1, unfiltered): what the trainer computes for the same tokens."""
+    model = tiny_model(family)
+    gen = torch.Generator().manual_seed(1)
+    out = generate(
+        model, PROMPTS, NEW, 0.9, top_k=40, top_p=0.9, generator=gen, return_log_probs=True
+    )
+    expected = trainer_log_probs(model, PROMPTS, out.tokens.tolist())
+    torch.testing.assert_close(out.log_probs.flatten(), expected, rtol=0, atol=1e-5)
+
+
+def test_stop_tokens_end_rows_and_pad_after() -> None:
+    """The run without stop tokens, cut after each row's first stop token; pad_id -1 shows that
+    padding is never fed to the model."""
+    model = tiny_model("llama3")
+    full = generate(model, PROMPTS, NEW, return_log_probs=True)
+    stop = full.tokens[0, 2].item()
+    out = generate(model, PROMPTS, NEW, stop_tokens={stop}, pad_id=-1, return_log_probs=True)
+    assert out.lengths[0] <= 3
+    for i, row in enumerate(full.tokens.tolist()):
+        n = row.index(stop) + 1 if stop in row else NEW
+        assert out.lengths[i] == n
+        assert out.tokens[i].tolist() == row[:n] + [-1] * (NEW - n)
+        torch.testing.assert_close(out.log_probs[i, :n], full.log_probs[i, :n], rtol=0, atol=1e-6)
+        assert out.log_probs[i, n:].tolist() == [0.0] * (NEW - n)
+
+
+def test_top_k_1_samples_the_greedy_tokens_and_a_seed_repeats_a_sample() -> None:
+    model = tiny_model("qwen3")
+    greedy = generate(model, PROMPTS, NEW).tokens
+    assert torch.equal(generate(model, PROMPTS, NEW, 1.5, top_k=1).tokens, greedy)
+    samples = [
+        generate(model, PROMPTS, NEW, 1.0, generator=torch.Generator().manual_seed(7)).tokens
+        for _ in range(2)
+    ]
+    assert torch.equal(*samples)
+
+
+PROBS = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "expected"),
+    [
+        (1.0, None, 1.0, PROBS),
+        (1.0, 2, 1.0, torch.tensor([0.4, 0.3, 0, 0, 0]) / 0.7),
+        # 0.4 + 0.3 < 0.75: the smallest set reaching 0.75 also takes the 0.2 token.
+        (1.0, None, 0.75, torch.tensor([0.4, 0.3, 0.2, 0, 0]) / 0.9),
+        (1.0, None, 0.4, torch.tensor([1.0, 0, 0, 0, 0])),
+        (2.0, None, 1.0, PROBS.sqrt() / PROBS.sqrt().sum()),
+        (2.0, 3, 0.5, PROBS[:2].sqrt().div(PROBS[:2].sqrt().sum()).tolist() + [0, 0, 0]),
+    ],
+)
+def test_sampling_frequencies_follow_the_filtered_distribution(
+    temperature: float, top_k: int | None, top_p: float, expected
+) -> None:
+    """40000 draws of one row; 4 standard deviations of a frequency are under 0.01. In the
+    last case temperature 2 makes the 3 kept tokens' shares 0.39, 0.34, 0.27, and top-p 0.5
+    keeps the first two."""
+    n = 40_000
+    logits = PROBS.log().expand(n, -1)
+    gen = torch.Generator().manual_seed(0)
+    tokens = sample_next(logits, temperature, top_k, top_p, gen)
+    freq = torch.bincount(tokens, minlength=len(PROBS)).float() / n
+    torch.testing.assert_close(freq, torch.as_tensor(expected).float(), rtol=0, atol=0.01)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": 1.0, "top_k": 0}, "top_k"),
+        ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"input_ids": [[1], []]}, "non-empty"),
+    ],
+)
+def test_bad_arguments_fail_by_name(kwargs: dict, message: str) -> None:
+    model = tiny_model("llama3")
+    call = {"input_ids": PROMPTS, "max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        generate(model, **call)
+
+
+def test_kv_cache_mask_by_hand() -> None:
+    """Row 0 has one column of left padding: padding sees only itself, real tokens skip it."""
+    valid = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    cache = KVCache(valid, n_layers=1)
+    cache.extend(3)
+    assert cache.mask.shape == (2, 1, 3, 3)
+    assert cache.mask[0, 0].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    assert cache.mask[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    cache.extend(1)
+    assert cache.mask[:, 0].int().tolist() == [[[0, 1, 1, 1]], [[1, 1, 1, 1]]]
+    with pytest.raises(ValueError, match="holds 4 tokens"):
+        cache.extend(1)
+
+
+def test_explicit_mask_runs_on_sdpa_only() -> None:
+    q = k = v = torch.randn(1, 4, 2, 8)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
+    torch.testing.assert_close(attention(q, k, v, mask=causal), attention(q, k, v))
+    with pytest.raises(AttentionBackendError, match="sdpa"):
+        attention(q, k, v, backend="flex", mask=causal)
+
+
+def test_a_cache_refuses_packed_documents() -> None:
+    model = tiny_model("llama3")
+    ids = torch.tensor([[1, 2, 3]])
+    docs = documents({"position_ids": torch.tensor([[0, 1, 0]])})
+    with pytest.raises(ValueError, match="packed documents"):
+        model(ids, cache=KVCache(torch.ones(1, 3, dtype=torch.bool), 2), docs=docs)
+
+
+def test_greedy_equals_transformers_generate(tmp_path: Path) -> None:
+    """A tiny Llama (GQA, Llama 3 rope scaling) saved by transformers and loaded with load_hf:
+    left-padded batch, same new ids as transformers' greedy generate."""
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    native = load_hf(tmp_path)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
+    new = 10
+    ours = generate(native, prompts, new, pad_id=0)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    with torch.no_grad():
+        theirs = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
+    assert ours.tokens.tolist() == theirs[:, width:].tolist()
+    assert not math.isnan(ours.tokens.float().sum().item())
