@@ -94,6 +94,52 @@ class Data:
     """JSONL field holding a document's text."""
     tokenizer_path: str | None = None
     """tokenizer.json or a folder holding one; None = model.hf_path's, else the built-in."""
+    format: Literal["text", "sft", "preference"] = "text"
+    """text: pretraining documents; sft: JSONL with "messages" (chat); preference: JSONL with
+    "prompt", "chosen", "rejected" (DPO). path None = the built-in tasks of that format."""
+    chat_template: str | None = None
+    """sft/preference: a Jinja chat template file; None = the tokenizer folder's, else the
+    built-in template of the built-in tokenizer."""
+    train_on_prompt: bool = False
+    """sft: also train on system/user tokens, not only the assistant's."""
+    pack: bool = True
+    """sft: pack whole samples into rows (isolated by position_ids); else one padded sample a
+    row."""
+    max_length_policy: Literal["truncate", "drop"] = "truncate"
+    """sft/preference: a sample longer than training.seq_len + 1 tokens is cut or skipped;
+    counts are logged as data_truncated / data_dropped."""
+    builtin_examples: int = 4096
+    """sft/preference without a path: training examples drawn from the built-in tasks."""
+
+
+@dataclass
+class Objective:
+    name: str = "causal_lm"
+    """Training objective, as registered with `temper.objectives.register_objective`:
+    causal_lm (pretraining, SFT) or dpo."""
+    beta: float = 0.1
+    """dpo: strength of the pull toward the reference (the KL coefficient)."""
+    label_smoothing: float = 0.0
+    """dpo sigmoid loss: assumed probability that a preference label is flipped."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """dpo: sigmoid (DPO) or ipo."""
+
+
+@dataclass
+class LoRA:
+    enable: bool = False
+    """Train low-rank adapters on target_modules; every other weight is frozen."""
+    rank: int = 8
+    alpha: float = 16.0
+    """Adapter scale numerator: scale = alpha / rank (alpha / sqrt(rank) with rslora)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    rslora: bool = False
+    """Rank-stabilized scale alpha / sqrt(rank)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["layers.*.attention.w*", "layers.*.feed_forward.w*"]
+    )
+    """fnmatch patterns on module names of the linear layers to adapt."""
 
 
 @dataclass
@@ -135,9 +181,20 @@ class Compile:
 @dataclass
 class Checkpoint:
     enable: bool = False
-    """Save DCP checkpoints during training."""
+    """Save DCP checkpoints during training, and resume from them."""
+    folder: str = "checkpoints"
+    """Subfolder of job.dump_folder that holds step-<N>/ checkpoints."""
     interval: int = 500
-    """Save every N steps."""
+    """Save every N steps; the last step is always saved."""
+    keep_latest_k: int = 0
+    """Keep only the newest K complete checkpoints; 0 keeps all."""
+    async_mode: bool = False
+    """DCP asynchronous save: training waits only for the in-memory staging copy."""
+    resume: str = "auto"
+    """auto (the latest complete checkpoint, if any), never, or a step number."""
+    initial_load: str | None = None
+    """A checkpoint folder whose model weights start a new run (when there is nothing to
+    resume)."""
 
 
 @dataclass
@@ -148,6 +205,8 @@ class Config:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     data: Data = field(default_factory=Data)
+    objective: Objective = field(default_factory=Objective)
+    lora: LoRA = field(default_factory=LoRA)
     metrics: Metrics = field(default_factory=Metrics)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -168,7 +227,6 @@ class Config:
         for name in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps"):
             if _get(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {_get(self, name)}")
-        _check_not_yet_available(self)
         dp = self.data_parallel_size(world_size)
         local, global_ = self.training.local_batch_size, self.training.global_batch_size
         if global_ != -1 and (global_ <= 0 or global_ % (local * dp)):
@@ -177,7 +235,11 @@ class Config:
                 f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
             )
         _check_model(self.model)
+        _check_expert_parallel(self)
+        _check_sequence_parallel(self)
         _check_attention(self)
+        _check_checkpoint(self.checkpoint)
+        _check_posttrain(self)
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks that see different data: the world divided by the non-data degrees."""
@@ -253,16 +315,88 @@ def _check_attention(config: Config) -> None:
         raise ConfigError(f"model.attn {config.model.attn!r}: {reason}")
 
 
-def _check_not_yet_available(config: Config) -> None:
-    """Reserved fields whose features are not built yet must not be silently ignored."""
-    unavailable = {
-        "parallelism.sp": config.parallelism.sp != 1,
-        "parallelism.ep": config.parallelism.ep != 1,
-        "checkpoint.enable": config.checkpoint.enable,
-    }
-    for name, is_set in unavailable.items():
-        if is_set:
-            raise ConfigError(
-                f"{name} = {_get(config, name)!r}: this feature is not available in this "
-                "version of temper yet; leave the field at its default"
-            )
+def _check_checkpoint(checkpoint: Checkpoint) -> None:
+    if checkpoint.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k must be >= 0, got {checkpoint.keep_latest_k}")
+    if checkpoint.resume not in ("auto", "never") and not checkpoint.resume.isdigit():
+        raise ConfigError(
+            f"checkpoint.resume must be auto, never or a step number, got {checkpoint.resume!r}"
+        )
+    if checkpoint.initial_load is not None and not os.path.isfile(
+        os.path.join(checkpoint.initial_load, "temper.json")
+    ):
+        raise ConfigError(
+            f"checkpoint.initial_load {checkpoint.initial_load!r} is not a temper checkpoint "
+            "folder (no temper.json)"
+        )
+
+
+def _check_expert_parallel(config: Config) -> None:
+    """``ep > 1`` needs routed experts that split evenly; how ep fits the world (it divides
+    ``dp_shard x sp``) is checked with the other degrees by `ParallelDims.from_config`."""
+    ep = config.parallelism.ep
+    if ep == 1:
+        return
+    args, source = _model_args(config.model)
+    n_experts = getattr(args, "n_experts", 0)
+    if not n_experts:
+        raise ConfigError(
+            f"parallelism.ep = {ep} needs a mixture-of-experts model; {source} has no experts"
+        )
+    if n_experts % ep:
+        raise ConfigError(
+            f"parallelism.ep ({ep}) must divide the number of experts ({n_experts} in {source})"
+        )
+
+
+def _check_sequence_parallel(config: Config) -> None:
+    """``sp > 1`` (Ulysses) splits attention heads over SP ranks and gives each at least one
+    token; sequence lengths that SP does not divide are right-padded."""
+    sp = config.parallelism.sp
+    if sp == 1:
+        return
+    from temper.parallel.ulysses import check_heads
+
+    if config.training.seq_len < sp:
+        raise ConfigError(
+            f"training.seq_len ({config.training.seq_len}) must be at least parallelism.sp "
+            f"({sp}): every SP rank holds a slice of each sequence"
+        )
+    args, source = _model_args(config.model)
+    try:
+        check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), sp)
+    except ConfigError as error:
+        raise ConfigError(f"{error} ({source})") from None
+
+
+def _model_args(model: Model) -> tuple[Any, str]:
+    """The architecture's args (from ``model.hf_path``'s config.json, else the flavor) and
+    where they came from, for checks that depend on the model's sizes."""
+    from temper.models import get_model_spec
+    from temper.models.hf import read_hf_args
+
+    if model.hf_path is not None:
+        _, args = read_hf_args(model.hf_path)
+    else:
+        args = get_model_spec(model.name).flavors[model.flavor]
+    return args, model.hf_path or f"{model.name}/{model.flavor}"
+
+
+def _check_posttrain(config: Config) -> None:
+    """The objective exists and gets the data format it reads; LoRA sizes are sane."""
+    from temper.objectives.registry import objective_names
+
+    name = config.objective.name
+    if name not in objective_names():
+        raise ConfigError(
+            f"objective.name {name!r} is not registered; choose one of "
+            f"{', '.join(objective_names())}"
+        )
+    if (name == "dpo") != (config.data.format == "preference"):
+        raise ConfigError(
+            f"objective.name {name!r} does not read data.format {config.data.format!r}: dpo "
+            "takes preference data, and preference data needs dpo"
+        )
+    _check_positive(config, "objective.beta", "lora.rank", "lora.alpha", "data.builtin_examples")
+    _check_range(config, "objective.label_smoothing", 0.0, 0.5)
+    _check_range(config, "lora.dropout", 0.0, 1.0, right_open=True)

@@ -15,7 +15,9 @@ import torch
 class MetricsLogger:
     """Writes each logged step to the console, `<dump>/tb` and `<dump>/metrics.jsonl`."""
 
-    def __init__(self, dump_folder: str | Path, *, tensorboard: bool, enabled: bool) -> None:
+    def __init__(
+        self, dump_folder: str | Path, *, tensorboard: bool, enabled: bool, resume_step: int = 0
+    ) -> None:
         self.enabled = enabled
         self._jsonl: IO[str] | None = None
         self._tb = None
@@ -23,7 +25,7 @@ class MetricsLogger:
             return
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (folder / "metrics.jsonl").open("w")
+        self._jsonl = _open_metrics(folder / "metrics.jsonl", resume_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -46,6 +48,22 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _open_metrics(path: Path, resume_step: int) -> IO[str]:
+    """A fresh file, or on resume the rows up to the resumed step (a crashed run may have
+    logged steps after its last checkpoint; they are run again)."""
+    kept = []
+    if resume_step > 0 and path.exists():
+        kept = [
+            line
+            for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= resume_step
+        ]
+    handle = path.open("w")
+    handle.writelines(line + "\n" for line in kept)
+    handle.flush()
+    return handle
 
 
 def format_line(record: dict[str, Any]) -> str:

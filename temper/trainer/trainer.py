@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from temper.checkpoint.manager import CheckpointManager
 from temper.config import Config, ConfigError, save_config
 from temper.data import BatchLoader, Tokenizer, build_text_loader, load_tokenizer
 from temper.models import build_hf_model, build_model, materialize
-from temper.objectives import CausalLM, Objective, count_tokens
+from temper.data.tasks import build_chat_loader
+from temper.models.lora import apply_lora, init_lora
+from temper.objectives import Objective, build_objective
 from temper.objectives.causal_lm import Batch
 from temper.optim import build_lr_scheduler, build_optimizer
 from temper.parallel.collectives import all_reduce_sum
@@ -19,6 +24,7 @@ from temper.parallel.dims import ParallelDims
 from temper.parallel.grad_norm import clip_grad_norm_
 from temper.parallel.parallelize import parallelize_decoder
 from temper.parallel.sharded_init import layout_invariant_init
+from temper.trainer.checkpointing import TrainCheckpointer
 from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
 from temper.utils.device import Runtime, init_runtime, resolve_dtype, seed_everything
 from temper.utils.peak_flops import peak_flops
@@ -43,32 +49,42 @@ class Trainer:
         self.tokenizer = load_tokenizer(config.data.tokenizer_path or config.model.hf_path)
         model = build_meta_model(config)
         _check_vocab(self.tokenizer, model.tok_embeddings.num_embeddings, config)
-        meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None
-        parallelize_decoder(model, config, meshes, self.dtype)
+        if config.lora.enable:
+            lora = config.lora
+            apply_lora(
+                model,
+                lora.target_modules,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                rslora=lora.rslora,
+            )
+        self.meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None
+        self.sequence_parallel = parallelize_decoder(model, config, self.meshes, self.dtype)
         with layout_invariant_init():
             self.model = materialize(model, self.device, config.model.hf_path)
-        self.objective: Objective = CausalLM()
+            init_lora(self.model)
+        self.model.attn_backend = config.model.attn
+        self.objective: Objective = build_objective(config, self._build_reference)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.lr_scheduler, config.training.steps
         )
 
         self.grad_accum = config.grad_accum_steps(self.runtime.world_size)
-        self.loader: BatchLoader = build_text_loader(
-            self.tokenizer,
-            config.training.seq_len,
-            config.training.local_batch_size,
-            path=config.data.path,
-            text_field=config.data.text_field,
-            seed=config.training.seed,
-            dp_rank=self.dims.data_rank(self.runtime.rank),
-            dp_world=self.dims.dp,
+        self.loader: BatchLoader = build_loader(
+            config, self.tokenizer, self.dims.data_rank(self.runtime.rank), self.dims.dp
         )
         self.step = 0
+        self.tokens_seen = 0
+        self.checkpointer = TrainCheckpointer(config)
+        self.checkpointer.restore(self)
+        self.start_step = self.step
         self.metrics = MetricsLogger(
             config.job.dump_folder,
             tensorboard=config.metrics.tensorboard,
             enabled=self.runtime.is_main,
+            resume_step=self.step,
         )
         self.throughput = Throughput(
             flops_per_token=self.model.flops_per_token(config.training.seq_len),
@@ -95,8 +111,10 @@ class Trainer:
             while self.step < config.training.steps:
                 micro_batches = [self._to_device(next(batches)) for _ in range(self.grad_accum)]
                 metrics = self.train_step(micro_batches)
-                if self.step % config.metrics.log_freq == 0 or self.step == config.training.steps:
-                    metrics.update(self.throughput.measure(self.step))
+                last = self.step == config.training.steps
+                self.checkpointer.maybe_save(self, last=last)
+                if self.step % config.metrics.log_freq == 0 or last:
+                    metrics.update(self.throughput.measure(self.step, self.start_step + 1))
                     metrics["memory_gib"] = peak_memory_gib(self.device)
                     self.metrics.log(self.step, metrics)
         finally:
@@ -106,21 +124,28 @@ class Trainer:
         """One optimizer step over accumulated micro-batches; returns its metrics.
 
         Each micro-batch's summed loss is divided by the valid-token count of the
-        whole step across ranks, so the gradients equal those of one big batch.
+        whole step across ranks, so the gradients equal those of one big batch. With sequence
+        parallelism each rank first takes its slice of every micro-batch, and counts only it.
         """
-        local_tokens = sum(count_tokens(mb) for mb in micro_batches)
+        if self.sequence_parallel is not None:
+            micro_batches = [self.sequence_parallel.shard(mb) for mb in micro_batches]
+        local_tokens = sum(self.objective.count(mb) for mb in micro_batches)
         global_tokens = all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
         loss_sum = torch.zeros((), device=self.device)
+        extra: dict[str, float] = {}
         for batch in micro_batches:
             with self._autocast():
-                micro_loss, _, _ = self.objective.loss(self.model, batch)
+                micro_loss, _, micro_metrics = self.objective.loss(self.model, batch)
             (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach().float()
+            for name, value in micro_metrics.items():
+                extra[name] = extra.get(name, 0.0) + value / len(micro_batches)
         max_norm = self.config.training.max_norm or math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         loss = all_reduce_sum(loss_sum) / global_tokens
 
         self.step += 1
+        self.tokens_seen += int(global_tokens)
         if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -129,10 +154,30 @@ class Trainer:
             )
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        if hasattr(self.model, "update_expert_bias"):
+            # Counts summed over every rank: all of them route tokens of the global batch.
+            self.model.update_expert_bias(self.model.args.expert_bias_update_rate)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.throughput.add_tokens(sum(mb["input_ids"].numel() for mb in micro_batches))
-        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        for name, value in getattr(self.loader.dataset, "stats", {}).items():
+            extra[f"data_{name}"] = float(value)
+        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, **extra}
+
+    def _build_reference(self) -> nn.Module:
+        """A frozen copy of the policy's starting weights, built and sharded like it: the same
+        seed's init or `model.hf_path`, then `checkpoint.initial_load`'s weights if given."""
+        config = self.config
+        model = build_meta_model(config)
+        parallelize_decoder(model, config, self.meshes, self.dtype)
+        with torch.random.fork_rng(devices=[]), layout_invariant_init():
+            seed_everything(config.training.seed, config.training.deterministic)
+            reference = materialize(model, self.device, config.model.hf_path)
+        if config.checkpoint.initial_load is not None:
+            load_model_weights(reference, config.checkpoint.initial_load)
+        reference.attn_backend = config.model.attn
+        reference.requires_grad_(False)
+        return reference.eval()
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
         """bf16 compute on one rule: a sharded model gets it from FSDP's mixed-precision policy
@@ -150,6 +195,41 @@ def build_meta_model(config: Config) -> nn.Module:
     if config.model.hf_path is not None:
         return build_hf_model(config.model.hf_path)
     return build_model(config.model.name, config.model.flavor)
+
+
+def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int) -> BatchLoader:
+    """Batches of this rank for `data.format`: packed text, or chat (sft, preference) data."""
+    training = config.training
+    if config.data.format == "text":
+        return build_text_loader(
+            tokenizer,
+            training.seq_len,
+            training.local_batch_size,
+            path=config.data.path,
+            text_field=config.data.text_field,
+            seed=training.seed,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+        )
+    return build_chat_loader(
+        config.data,
+        tokenizer,
+        training.seq_len,
+        training.local_batch_size,
+        seed=training.seed,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        tokenizer_folder=config.data.tokenizer_path or config.model.hf_path,
+    )
+
+
+def load_model_weights(model: nn.Module, folder: str) -> None:
+    """Fill a materialized (possibly sharded) model with a checkpoint folder's model weights."""
+    state = {"model": get_model_state_dict(model)}
+    CheckpointManager(Path(folder).parent, keep_latest_k=0, async_mode=False).load(
+        Path(folder), state
+    )
+    set_model_state_dict(model, state["model"])
 
 
 def _check_vocab(tokenizer: Tokenizer, model_vocab: int, config: Config) -> None:

@@ -158,10 +158,17 @@ def test_validate_names_the_field(field: str, value: object, message: str) -> No
         config.validate(world_size=1)
 
 
-@pytest.mark.parametrize("flag", [["--parallelism.ep", "2"], ["--checkpoint.enable"]])
-def test_reserved_fields_are_rejected_not_ignored(flag: list[str]) -> None:
-    with pytest.raises(ConfigError, match=f"{flag[0][2:]} = .* not available"):
-        load_config(MODULE, RECIPE, flag)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--checkpoint.resume", "latest"], "checkpoint.resume must be auto, never or a step"),
+        (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k must be >= 0"),
+        (["--checkpoint.initial_load", "/nowhere"], "'/nowhere' is not a temper checkpoint"),
+    ],
+)
+def test_checkpoint_fields_are_checked(flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(MODULE, RECIPE, flags)
 
 
 def test_hf_path_without_a_config_is_named(tmp_path) -> None:
@@ -196,11 +203,39 @@ def test_sp_and_ep_are_not_data_parallel() -> None:
         config.data_parallel_size(8)
 
 
-def test_sp_is_rejected_before_its_degree_is_checked() -> None:
-    config = Config()
+def test_sp_checks_heads_and_sequence_length() -> None:
+    config = Config()  # llama3 debug: 8 heads, 4 KV heads
+    config.parallelism.sp = 2
+    config.validate(world_size=2)
+    config.parallelism.sp = 8  # KV heads are replicated over SP ranks
+    config.validate(world_size=8)
     config.parallelism.sp = 3
-    with pytest.raises(ConfigError, match="parallelism.sp = 3: this feature is not available"):
-        config.validate(world_size=1)
+    with pytest.raises(ConfigError, match=r"parallelism.sp \(3\) must divide .* heads \(8\)"):
+        config.validate(world_size=3)
+    config.parallelism.sp = 2
+    config.training.seq_len = 1
+    with pytest.raises(ConfigError, match=r"training.seq_len \(1\) must be at least"):
+        config.validate(world_size=2)
+
+
+def test_ep_checks_experts_and_the_fsdp_group() -> None:
+    from temper.recipes.qwen3 import qwen3_moe_debug
+
+    config = qwen3_moe_debug()  # 8 experts
+    config.parallelism.ep = 2
+    config.validate(world_size=2)
+    config.parallelism.ep = 8
+    config.validate(world_size=8)
+    config.parallelism.ep = 3
+    with pytest.raises(ConfigError, match=r"parallelism.ep \(3\) must divide the number of exp"):
+        config.validate(world_size=3)
+    config.parallelism.ep = 4
+    with pytest.raises(ConfigError, match=r"parallelism.ep \(4\) must divide .*\(2 x 1 = 2\)"):
+        config.validate(world_size=2)
+    dense = Config()
+    dense.parallelism.ep = 2
+    with pytest.raises(ConfigError, match="ep = 2 needs a mixture-of-experts model"):
+        dense.validate(world_size=2)
 
 
 def test_new_sections_parse_and_default_off() -> None:

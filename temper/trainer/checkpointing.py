@@ -1,0 +1,129 @@
+"""What a training checkpoint holds, and when it is written and read back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from temper.checkpoint.manager import (
+    CheckpointManager,
+    resolve_resume,
+    rng_state,
+    set_rng_state,
+)
+from temper.checkpoint.metadata import (
+    build_metadata,
+    read_metadata,
+    run_structure,
+    structure_differences,
+)
+from temper.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from temper.trainer.trainer import Trainer
+
+
+class TrainCheckpointer:
+    """Saves every `checkpoint.interval` steps and at the end; restores at start."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config.checkpoint
+        self.root = Path(config.job.dump_folder) / self.config.folder
+        self.manager = CheckpointManager(
+            self.root, keep_latest_k=self.config.keep_latest_k, async_mode=self.config.async_mode
+        )
+        self.ep = config.parallelism.ep
+        self.lora = dataclasses.asdict(config.lora) if config.lora.enable else None
+        # Absolute, so the converter finds them from any working directory.
+        self.tokenizer_source = _absolute(config.data.tokenizer_path or config.model.hf_path)
+        self.hf_path = _absolute(config.model.hf_path)
+
+    def restore(self, trainer: Trainer) -> int | None:
+        """Resume the run (or start from `initial_load`'s weights); returns the step resumed."""
+        step = resolve_resume(self.root, self.config.resume) if self.config.enable else None
+        if step is not None:
+            self._check_structure(self.manager.metadata(step), trainer, f"{self.root}/step-{step}")
+            state = self.manager.load(step, self._state(trainer))
+            self._apply(trainer, state)
+            return step
+        if self.config.initial_load is not None:
+            folder = Path(self.config.initial_load)
+            saved = read_metadata(folder)
+            current = self._metadata(trainer)
+            if saved["model"] != current["model"]:
+                differences = structure_differences(saved, {**saved, "model": current["model"]})
+                raise ConfigError(
+                    f"checkpoint.initial_load {folder} holds another model: "
+                    + "; ".join(differences)
+                )
+            model_state = {"model": get_model_state_dict(trainer.model)}
+            self.manager.load(folder, model_state)
+            set_model_state_dict(trainer.model, model_state["model"])
+        return None
+
+    def maybe_save(self, trainer: Trainer, *, last: bool) -> None:
+        if not self.config.enable:
+            return
+        if last or trainer.step % self.config.interval == 0:
+            self.manager.save(trainer.step, self._state(trainer), self._metadata(trainer))
+        if last:
+            self.manager.wait()
+
+    def _state(self, trainer: Trainer) -> dict[str, Any]:
+        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+        return {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "lr_scheduler": trainer.lr_scheduler.state_dict(),
+            "dataloader": trainer.loader.state_dict(),
+            "train_state": {"step": trainer.step, "tokens_seen": trainer.tokens_seen},
+            "rng": rng_state(),
+        }
+
+    def _apply(self, trainer: Trainer, state: dict[str, Any]) -> None:
+        set_state_dict(
+            trainer.model,
+            trainer.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        trainer.loader.load_state_dict(state["dataloader"])
+        trainer.step = state["train_state"]["step"]
+        trainer.tokens_seen = state["train_state"]["tokens_seen"]
+        set_rng_state(state["rng"])
+
+    def _metadata(self, trainer: Trainer) -> dict[str, Any]:
+        param_dtype = next(trainer.model.parameters()).dtype
+        return build_metadata(
+            trainer.model,
+            step=trainer.step,
+            structure=run_structure(ep=self.ep, lora=self.lora, param_dtype=param_dtype),
+            extra={
+                "tokens_seen": trainer.tokens_seen,
+                "tokenizer": self.tokenizer_source,
+                "hf_path": self.hf_path,
+            },
+        )
+
+    def _check_structure(self, saved: dict[str, Any], trainer: Trainer, where: str) -> None:
+        differences = structure_differences(saved, self._metadata(trainer))
+        if differences:
+            raise ConfigError(
+                f"checkpoint {where} does not match this config: {'; '.join(differences)}. "
+                "Use a new job.dump_folder, --checkpoint.resume never, or "
+                "--checkpoint.initial_load for weights only"
+            )
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).resolve())
