@@ -33,7 +33,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
         square = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64)).square().sum()
         if key is not None:
             mesh, placements = key
-            partial = [Partial() if p.is_shard() else Replicate() for p in placements]
+            # Not `is_shard()`: FSDP over an expert-parallel shard places `_StridedShard`,
+            # which is no `Shard`.
+            partial = [Replicate() if p.is_replicate() else Partial() for p in placements]
             square = DTensor.from_local(square, mesh, partial).full_tensor()
         squares.append(square)
         shards += local

@@ -9,27 +9,47 @@ from temper.config import Config
 from temper.parallel.activation_checkpoint import apply_activation_checkpointing
 from temper.parallel.compile import apply_compile
 from temper.parallel.dims import Meshes
-from temper.parallel.fsdp import apply_fsdp
+from temper.parallel.expert import apply_expert_fsdp, apply_expert_parallel
+from temper.parallel.fsdp import apply_fsdp, mixed_precision
+from temper.parallel.ulysses import SequenceParallel
 
 
 def parallelize_decoder(
     model: nn.Module, config: Config, meshes: Meshes | None, dtype: torch.dtype
-) -> None:
+) -> SequenceParallel | None:
     """Activation checkpointing, then compile, per block; then FSDP2 when `meshes` is given.
 
     Runs on the meta model, before `materialize`. The order matters: compile traces the
     checkpointed forward, and FSDP wraps the result, keeping its hooks outside the compiled
-    region. Sequence parallelism and expert parallelism will come first, before checkpointing.
+    region. Expert parallelism comes first (experts sharded by expert over ``ep``), and its
+    expert FSDP units wrap before the outer FSDP2, which then skips their parameters.
+    Sequence parallelism comes before all of them; its `SequenceParallel` is returned (None
+    without SP) for the trainer to slice batches with.
     `dtype` bfloat16 makes FSDP gather bf16 weights (fp32 masters, fp32 gradient reduction).
     """
+    sequence_parallel = None
+    if meshes is not None and meshes.world["sp"].size() > 1:
+        sequence_parallel = SequenceParallel(meshes.world["sp"].get_group())
+        sequence_parallel.apply(model)
     blocks = list(model.layers)
+    expert_mesh = meshes.expert if meshes is not None else None
+    if expert_mesh is not None:
+        apply_expert_parallel(model, expert_mesh)
     apply_activation_checkpointing(blocks, config.activation_checkpoint.mode)
     if config.compile.enable:
         apply_compile(blocks)
     if meshes is not None:
+        if expert_mesh is not None:
+            apply_expert_fsdp(
+                model,
+                expert_mesh,
+                mixed_precision(dtype),
+                reshard=config.parallelism.fsdp_reshard_after_forward != "never",
+            )
         apply_fsdp(
             model,
             meshes.fsdp,
             param_dtype=dtype,
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
         )
+    return sequence_parallel

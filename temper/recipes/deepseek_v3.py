@@ -27,8 +27,8 @@ def deepseek_v3_16b() -> Config:
     """The 16B flavor (Moonlight-16B-A3B's shape: 64 experts, top 6, 2 shared) in bf16 at
     4096 tokens, 128 sequences (0.5M tokens) per optimizer step on GPUs.
 
-    Its ~16B parameters (32 GB in bf16, plus fp32 masters and AdamW state) need expert
-    parallelism (`--parallelism.ep`) to fit on one node, which arrives with the EP work."""
+    Its ~16B parameters (32 GB in bf16, plus fp32 masters and AdamW state) need FSDP and
+    expert parallelism to fit, e.g. `NGPU=8 ./run_train.sh --parallelism.ep 8` on one node."""
     return Config(
         job=Job(dump_folder="./outputs/deepseek_v3_16b"),
         model=Model(name="deepseek_v3", flavor="16b"),
@@ -49,8 +49,9 @@ def deepseek_v3_671b() -> Config:
     """DeepSeek-V3 (671B, 256 experts, top 8 in 4 of 8 groups) in bf16 at 4096 tokens, 256
     sequences (1M tokens) per optimizer step on GPUs.
 
-    Needs many nodes and expert parallelism (`--parallelism.ep`), which arrives with the EP
-    work: the weights alone are 1.3 TB in bf16, 656B of the 671B parameters in experts."""
+    Needs many nodes with FSDP and expert parallelism (e.g. `NNODES=32 NGPU=8 ...
+    --parallelism.ep 64`): the weights alone are 1.3 TB in bf16, 656B of the 671B
+    parameters in experts."""
     config = deepseek_v3_16b()
     config.job.dump_folder = "./outputs/deepseek_v3_671b"
     config.model = Model(name="deepseek_v3", flavor="671b")

@@ -1,0 +1,158 @@
+"""Ulysses sequence parallelism: each SP rank holds a slice of the sequence, attention a slice
+of the heads.
+
+The batch is right-padded to a multiple of SP and sliced along the sequence before the model
+call (``SequenceParallel.shard``, the model entry). Around each attention core an all-to-all
+turns q, k, v from sequence-sharded [b, s/sp, h, d] into head-sharded [b, s, h/sp, d], so
+attention sees the whole sequence (and the global ``DocumentMask``), and the reverse
+all-to-all brings the output back. Everything else in a block works token by token.
+
+Padding keeps out of the results: pad tokens carry label -100 (no loss, no token count) and
+position ``PAD_POSITION``, which makes each pad its own one-token document in the global mask,
+so no real token attends to one; MoE routing statistics are taken over real tokens only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from temper.config import ConfigError
+from temper.kernels.attention import Backend, DocumentMask
+from temper.kernels.attention import attention as causal_attention
+from temper.models.layers.moe import MoE, RoutingStats, tokens_per_expert
+from temper.objectives.causal_lm import DOCUMENT_POSITIONS, IGNORE_INDEX, Batch
+
+PAD_POSITION = -1
+"""Position of a padding token: never its predecessor's + 1, so each pad is its own document."""
+
+
+def check_heads(n_heads: int, n_kv_heads: int, sp: int) -> None:
+    """Heads must split evenly over SP ranks; KV heads fewer than SP are replicated, so SP must
+    then be a multiple of them (each rank gets one copy of one KV head)."""
+    if n_heads % sp:
+        raise ConfigError(
+            f"parallelism.sp ({sp}) must divide the model's attention heads ({n_heads}): "
+            "Ulysses gives each SP rank the same number of heads"
+        )
+    if n_kv_heads % sp and sp % n_kv_heads:
+        raise ConfigError(
+            f"parallelism.sp ({sp}) and the model's KV heads ({n_kv_heads}) must divide one "
+            "another: KV heads are split over SP ranks, or replicated when fewer than SP"
+        )
+
+
+def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
+    """SP rank ``rank``'s slice (of ``size``) of a [b, s] batch, right-padded to a multiple of
+    ``size``.
+
+    ``input_ids``, ``labels`` and ``position_ids`` are sliced; the padded global positions
+    go to ``DOCUMENT_POSITIONS``, from which the objective builds the document mask that
+    attention (which sees the whole sequence) needs. Without ``position_ids`` the rows are
+    continuous sequences at positions 0..s-1.
+    """
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    b, s = input_ids.shape
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+    pad = -s % size
+    padded = {
+        "input_ids": F.pad(input_ids, (0, pad), value=0),
+        "labels": F.pad(labels, (0, pad), value=IGNORE_INDEX),
+        "position_ids": F.pad(positions, (0, pad), value=PAD_POSITION),
+    }
+    local = (s + pad) // size
+    shard = {key: t[:, rank * local : (rank + 1) * local] for key, t in padded.items()}
+    shard[DOCUMENT_POSITIONS] = padded["position_ids"]
+    return shard
+
+
+class UlyssesAttention:
+    """The attention core between two all-to-alls over the SP ``group``; a drop-in for
+    ``temper.kernels.attention.attention`` on sequence-sharded q, k, v."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        docs: DocumentMask | None = None,
+        *,
+        backend: Backend = "auto",
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        if k.shape[2] < self.size:
+            k, v = (t.repeat_interleave(self.size // k.shape[2], dim=2) for t in (k, v))
+        q, k, v = (self._heads_to_ranks(t) for t in (q, k, v))
+        out = causal_attention(q, k, v, docs, backend=backend, scale=scale)
+        return self._sequence_to_ranks(out)
+
+    def _heads_to_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s/sp, h, d] -> [b, s, h/sp, d]: send head slice r to rank r, gather sequence."""
+        b, s, h, d = x.shape
+        x = x.reshape(b, s, self.size, h // self.size, d).permute(2, 0, 1, 3, 4).contiguous()
+        x = all_to_all_single_autograd(x, None, None, self.group)
+        return x.permute(1, 0, 2, 3, 4).reshape(b, self.size * s, h // self.size, d)
+
+    def _sequence_to_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, h/sp, d] -> [b, s/sp, h, d]: the reverse of ``_heads_to_ranks``."""
+        b, s, h, d = x.shape
+        x = x.reshape(b, self.size, s // self.size, h, d).transpose(0, 1).contiguous()
+        x = all_to_all_single_autograd(x, None, None, self.group)
+        return x.permute(1, 2, 0, 3, 4).reshape(b, s // self.size, self.size * h, d)
+
+
+class SequenceParallel:
+    """One SP group: slices batches (``shard``) and wires a decoder for them (``apply``)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._valid: torch.Tensor | None = None
+
+    def shard(self, batch: Batch) -> Batch:
+        """This rank's slice of ``batch`` (see ``shard_batch``)."""
+        return shard_batch(batch, self.rank, self.size)
+
+    def apply(self, model: nn.Module) -> None:
+        """Route every attention core through the all-to-alls and keep padding out of MoE
+        routing statistics. Runs on the meta model, before any other wrapper."""
+        args = model.args
+        check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), self.size)
+        attend = UlyssesAttention(self.group)
+        for block in model.layers:
+            block.attention.attend = attend
+        model.register_forward_pre_hook(self._note_valid, with_kwargs=True)
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            routed: dict[str, torch.Tensor] = {}
+            moe.router.register_forward_hook(lambda _m, _a, out, r=routed: r.update(out=out))
+            moe.register_forward_hook(
+                lambda m, _a, _o, r=routed: setattr(m, "routing", self._routing(m, *r["out"]))
+            )
+
+    def _note_valid(self, _model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Remember which of this forward's tokens are real (not padding), for the MoE hooks."""
+        positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+        self._valid = None if positions is None else (positions != PAD_POSITION).flatten()
+
+    def _routing(
+        self, moe: MoE, probs: torch.Tensor, _weights: torch.Tensor, experts: torch.Tensor
+    ) -> RoutingStats:
+        """The layer's statistics over this rank's real tokens; the load-balancing loss sums
+        them over ranks, so they add up to those of the whole unpadded sequence."""
+        valid = self._valid
+        if valid is None:
+            return moe.routing
+        counts = tokens_per_expert(experts[valid], moe.n_experts)
+        return RoutingStats(counts, probs[valid].sum(dim=0), int(valid.sum()))

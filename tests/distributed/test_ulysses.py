@@ -1,0 +1,161 @@
+"""Ulysses sequence parallelism trains the model one process trains.
+
+Each layout's losses and gradient norms are within 1e-5 relative of one process accumulating
+the same global batch (``training.py``), here over 3 steps of 32 tokens to keep CI short. SP 2
+alone keeps one data shard, so its ranks see the reference's micro-batches; that makes the
+MoE load-balancing loss, which is not a sum over tokens, comparable too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from harness import run_on_ranks
+from training import SINGLE, Layout, Run, assert_same_metrics, parity_config
+from training import train as train_layout
+
+from temper.config import Config
+from temper.recipes.llama3 import llama3_debug
+from temper.recipes.qwen3 import qwen3_debug, qwen3_moe_debug
+
+pytestmark = pytest.mark.slow
+
+SP2 = Layout("sp2", world=2, local_batch=4, parallelism={"sp": 2})
+SP2_FSDP2 = Layout("sp2_fsdp2", world=4, local_batch=2, parallelism={"sp": 2})
+SP2_EP2 = Layout("sp2_ep2", world=2, local_batch=4, parallelism={"sp": 2, "ep": 2})
+STEPS = 3
+SEQ_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ulysses")
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[str, int], Run]:
+    """One single-process run per recipe and sequence length, trained on first use."""
+    return {}
+
+
+def _config(recipe: Callable[[], Config], folder: Path, layout: Layout, seq_len: int) -> Config:
+    config = parity_config(recipe, folder / f"{recipe.__name__}_{seq_len}", layout)
+    config.training.steps = STEPS
+    config.training.seq_len = seq_len
+    return config
+
+
+def _check(
+    recipe: Callable[[], Config],
+    layout: Layout,
+    folder: Path,
+    references: dict[tuple[str, int], Run],
+    seq_len: int = SEQ_LEN,
+) -> None:
+    key = (recipe.__name__, seq_len)
+    if key not in references:
+        references[key] = train_layout(_config(recipe, folder, SINGLE, seq_len), SINGLE)
+    run = train_layout(_config(recipe, folder, layout, seq_len), layout)
+    assert len(run.rows) == STEPS
+    assert_same_metrics(run.rows, references[key].rows)
+
+
+@pytest.mark.parametrize("recipe", [llama3_debug, qwen3_debug, qwen3_moe_debug])
+def test_sp2_trains_like_one_process(
+    recipe: Callable[[], Config], folder: Path, references: dict[tuple[str, int], Run]
+) -> None:
+    _check(recipe, SP2, folder, references)
+
+
+def test_sp2_with_fsdp2_trains_like_one_process(
+    folder: Path, references: dict[tuple[str, int], Run]
+) -> None:
+    _check(qwen3_debug, SP2_FSDP2, folder, references)
+
+
+def test_sp2_with_ep2_trains_like_one_process(
+    folder: Path, references: dict[tuple[str, int], Run]
+) -> None:
+    _check(qwen3_moe_debug, SP2_EP2, folder, references)
+
+
+def test_padded_sequences_train_like_unpadded(
+    folder: Path, references: dict[tuple[str, int], Run]
+) -> None:
+    """31 tokens pad to 32 at SP 2; the losses and grad norms are those of 31 unpadded."""
+    _check(qwen3_moe_debug, SP2, folder, references, seq_len=SEQ_LEN - 1)
+
+
+def test_padding_gets_no_gradient_and_changes_nothing() -> None:
+    """A packed batch of 15 tokens (documents of 6 and 9) padded to 16 over 2 SP ranks: every
+    real token's logits, the loss with the MoE load-balancing term, and every parameter's
+    gradient equal one process's on the unpadded batch."""
+    got, want = run_on_ranks(_padded_batch_rank, 2)[0]
+    torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+    assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=1e-6)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in got["grads"].items():
+        scale = want["grads"][name].abs().max().item()  # summed losses: large gradients
+        torch.testing.assert_close(grad, want["grads"][name], rtol=1e-5, atol=1e-6 * scale)
+
+
+def _padded_batch_rank() -> tuple[dict[str, Any], dict[str, Any]] | None:
+    import torch.distributed as dist
+
+    from temper.models import build_model, materialize
+    from temper.objectives import CausalLM
+    from temper.objectives.causal_lm import documents
+    from temper.parallel.ulysses import SequenceParallel
+    from temper.utils.device import init_runtime
+
+    init_runtime()
+    torch.manual_seed(0)
+    reference = materialize(build_model("qwen3_moe", "debug"), "cpu")
+    model = build_model("qwen3_moe", "debug")
+    sp = SequenceParallel(dist.group.WORLD)
+    sp.apply(model)
+    model = materialize(model, "cpu")
+    model.load_state_dict(reference.state_dict())
+
+    ids = torch.randint(1, 1000, (2, 15), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, dims=1)
+    positions = torch.cat([torch.arange(6), torch.arange(9)]).expand(2, 15)
+    batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    shard = sp.shard(batch)
+    assert shard["input_ids"].shape == (2, 8)
+
+    def run(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        loss, _, _ = CausalLM().loss(model, batch)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            if dist.get_world_size() > 1 and model is not reference:
+                dist.all_reduce(grad)
+            grads[name] = grad
+        return {"loss": loss.detach(), "grads": grads}
+
+    with torch.no_grad():
+        logits = model(shard["input_ids"], shard["position_ids"], documents(shard))
+    logits = torch.cat(_gather(logits), dim=1)[:, :15]
+    got = run(model, shard)
+    dist.all_reduce(got["loss"])
+    got["logits"] = logits
+    with torch.no_grad():
+        want_logits = reference(ids, positions, documents(batch))
+    want = run(reference, batch)
+    want["logits"] = want_logits
+    dist.barrier()  # the ranks' pending collectives finish before any rank exits
+    return (got, want) if dist.get_rank() == 0 else None
+
+
+def _gather(x: torch.Tensor) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return parts
