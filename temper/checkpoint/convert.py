@@ -32,6 +32,7 @@ from temper.checkpoint.metadata import (
 )
 from temper.data.tokenizer import load_tokenizer
 from temper.models import get_model_spec, load_hf, materialize, save_hf
+from temper.models.lora import apply_lora, merge_lora
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -65,10 +66,20 @@ def load_checkpoint_model(checkpoint: Path) -> nn.Module:
     args = spec.hf_adapter.args_from_hf(metadata["model"]["hf_config"])
     with torch.device("meta"):
         model = spec.model_cls(args)
+    lora = metadata["structure"].get("lora")
+    if lora:
+        apply_lora(
+            model,
+            lora["target_modules"],
+            rank=lora["rank"],
+            alpha=lora["alpha"],
+            rslora=lora["rslora"],
+        )
     materialize(model, "cpu")
     manager = CheckpointManager(checkpoint.parent, keep_latest_k=0, async_mode=False)
     manager.load(checkpoint, {"model": get_model_state_dict(model)})
-    return model
+    # LoRA is merged on export: the HF folder holds plain weights W + scale * B A.
+    return merge_lora(model) if lora else model
 
 
 def dcp_to_hf(checkpoint: Path, output: Path, dtype: str | None = None) -> None:

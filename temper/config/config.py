@@ -337,6 +337,11 @@ def _check_expert_parallel(config: Config) -> None:
     ep = config.parallelism.ep
     if ep == 1:
         return
+    if config.compile.enable:
+        raise ConfigError(
+            f"compile.enable with parallelism.ep = {ep}: the all-to-all dispatch reads its split "
+            "sizes on the host, which a full-graph compiled block cannot; turn one off"
+        )
     args, source = _model_args(config.model)
     n_experts = getattr(args, "n_experts", 0)
     if not n_experts:
@@ -397,6 +402,8 @@ def _check_posttrain(config: Config) -> None:
             f"objective.name {name!r} does not read data.format {config.data.format!r}: dpo "
             "takes preference data, and preference data needs dpo"
         )
+    if name == "dpo" and config.parallelism.sp != 1:
+        raise ConfigError("parallelism.sp must be 1 with objective.name 'dpo' (not supported yet)")
     _check_positive(config, "objective.beta", "lora.rank", "lora.alpha", "data.builtin_examples")
     _check_range(config, "objective.label_smoothing", 0.0, 0.5)
     _check_range(config, "lora.dropout", 0.0, 1.0, right_open=True)

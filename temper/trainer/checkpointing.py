@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -65,9 +65,7 @@ class TrainCheckpointer:
                     f"checkpoint.initial_load {folder} holds another model: "
                     + "; ".join(differences)
                 )
-            model_state = {"model": get_model_state_dict(trainer.model)}
-            self.manager.load(folder, model_state)
-            set_model_state_dict(trainer.model, model_state["model"])
+            load_model_weights(trainer.model, folder)
         return None
 
     def maybe_save(self, trainer: Trainer, *, last: bool) -> None:
@@ -127,3 +125,19 @@ class TrainCheckpointer:
 
 def _absolute(path: str | None) -> str | None:
     return None if path is None else str(Path(path).resolve())
+
+
+def load_model_weights(model: Any, folder: str | Path) -> None:
+    """Fill a materialized (possibly sharded) model with a checkpoint's model weights.
+
+    A LoRA model started from a checkpoint without adapters (an SFT run, say) takes only the
+    base weights; its adapters keep their fresh init.
+    """
+    folder = Path(folder)
+    state = get_model_state_dict(model)
+    if not read_metadata(folder)["structure"].get("lora"):
+        state = {k: v for k, v in state.items() if not k.rpartition(".")[2].startswith("lora_")}
+    CheckpointManager(folder.parent, keep_latest_k=0, async_mode=False).load(
+        folder, {"model": state}
+    )
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))

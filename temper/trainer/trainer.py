@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from temper.checkpoint.manager import CheckpointManager
 from temper.config import Config, ConfigError, save_config
 from temper.data import BatchLoader, Tokenizer, build_text_loader, load_tokenizer
-from temper.models import build_hf_model, build_model, materialize
 from temper.data.tasks import build_chat_loader
+from temper.models import build_hf_model, build_model, materialize
 from temper.models.lora import apply_lora, init_lora
 from temper.objectives import Objective, build_objective
 from temper.objectives.causal_lm import Batch
@@ -24,7 +21,7 @@ from temper.parallel.dims import ParallelDims
 from temper.parallel.grad_norm import clip_grad_norm_
 from temper.parallel.parallelize import parallelize_decoder
 from temper.parallel.sharded_init import layout_invariant_init
-from temper.trainer.checkpointing import TrainCheckpointer
+from temper.trainer.checkpointing import TrainCheckpointer, load_model_weights
 from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
 from temper.utils.device import Runtime, init_runtime, resolve_dtype, seed_everything
 from temper.utils.peak_flops import peak_flops
@@ -159,7 +156,10 @@ class Trainer:
             self.model.update_expert_bias(self.model.args.expert_bias_update_rate)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.throughput.add_tokens(sum(mb["input_ids"].numel() for mb in micro_batches))
+        # Every sequence the model ran: a DPO pair's chosen and rejected rows both count.
+        self.throughput.add_tokens(
+            sum(v.numel() for mb in micro_batches for k, v in mb.items() if k.endswith("input_ids"))
+        )
         for name, value in getattr(self.loader.dataset, "stats", {}).items():
             extra[f"data_{name}"] = float(value)
         return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, **extra}
@@ -221,15 +221,6 @@ def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: i
         dp_world=dp_world,
         tokenizer_folder=config.data.tokenizer_path or config.model.hf_path,
     )
-
-
-def load_model_weights(model: nn.Module, folder: str) -> None:
-    """Fill a materialized (possibly sharded) model with a checkpoint folder's model weights."""
-    state = {"model": get_model_state_dict(model)}
-    CheckpointManager(Path(folder).parent, keep_latest_k=0, async_mode=False).load(
-        Path(folder), state
-    )
-    set_model_state_dict(model, state["model"])
 
 
 def _check_vocab(tokenizer: Tokenizer, model_vocab: int, config: Config) -> None:

@@ -232,6 +232,10 @@ def test_ep_checks_experts_and_the_fsdp_group() -> None:
     config.parallelism.ep = 4
     with pytest.raises(ConfigError, match=r"parallelism.ep \(4\) must divide .*\(2 x 1 = 2\)"):
         config.validate(world_size=2)
+    config.parallelism.ep = 2
+    config.compile.enable = True
+    with pytest.raises(ConfigError, match="compile.enable with parallelism.ep = 2"):
+        config.validate(world_size=2)
     dense = Config()
     dense.parallelism.ep = 2
     with pytest.raises(ConfigError, match="ep = 2 needs a mixture-of-experts model"):

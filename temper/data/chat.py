@@ -1,0 +1,158 @@
+"""Chat records -> token ids with a mask of the tokens that train (assistant turns by default).
+
+A conversation is rendered with a Jinja chat template the way ``transformers`` renders it
+(sandboxed, ``trim_blocks`` and ``lstrip_blocks``), either the model folder's or the
+built-in one for the built-in tokenizer. To know which tokens an assistant wrote, the
+conversation is rendered turn by turn: the text up to an assistant turn with the generation
+prompt, then through that turn; the difference is the assistant's. Each piece is tokenized on
+its own, so a token never straddles a prompt/answer boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from temper.data.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+
+BUILTIN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+"""The template of the built-in tokenizer: a role token, the content, ``<|end|>`` per turn."""
+
+Message = dict[str, str]
+
+
+class RecordError(ValueError):
+    """A data record is malformed; the message names the file, the line and the problem."""
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@cache
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(template)
+
+
+def render_chat(
+    template: str, messages: Sequence[Message], add_generation_prompt: bool = False, **extra: Any
+) -> str:
+    """The conversation as text, like ``apply_chat_template(..., tokenize=False)``."""
+    return _compile(template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **extra
+    )
+
+
+def load_chat_template(path: str | None, tokenizer_folder: str | None) -> str:
+    """A template file (``path``), else the tokenizer folder's, else the built-in one.
+
+    A folder's template is ``chat_template.jinja`` or ``tokenizer_config.json``'s
+    ``chat_template`` field, where ``transformers`` keeps it.
+    """
+    if path is not None:
+        return Path(path).read_text()
+    folder = Path(tokenizer_folder) if tokenizer_folder is not None else None
+    if folder is not None and folder.is_dir():
+        if (folder / "chat_template.jinja").is_file():
+            return (folder / "chat_template.jinja").read_text()
+        config_path = folder / "tokenizer_config.json"
+        if config_path.is_file():
+            template = json.loads(config_path.read_text()).get("chat_template")
+            if isinstance(template, str):
+                return template
+        raise ValueError(
+            f"{folder}: no chat template (chat_template.jinja or tokenizer_config.json's "
+            "chat_template); give one with --data.chat_template FILE"
+        )
+    return BUILTIN_TEMPLATE
+
+
+def tokenize_chat(
+    tokenizer: Tokenizer,
+    template: str,
+    messages: Sequence[Message],
+    train_on_prompt: bool = False,
+) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per token, whether it trains.
+
+    Raises ValueError when the template does not render a conversation as the
+    concatenation of its turns (the assistant spans could not be found).
+    """
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render_chat(template, messages[:i], add_generation_prompt=True)
+        through = render_chat(template, messages[: i + 1])
+        if not (prompt.startswith(done) and through.startswith(prompt)):
+            raise ValueError(
+                "the chat template does not render a conversation as a prefix of the longer "
+                "one, so the assistant tokens cannot be located"
+            )
+        pieces += [(prompt[len(done) :], train_on_prompt), (through[len(prompt) :], True)]
+        done = through
+    full = render_chat(template, messages)
+    if not full.startswith(done):
+        raise ValueError("the chat template renders the whole conversation differently")
+    pieces.append((full[len(done) :], train_on_prompt))
+    ids: list[int] = []
+    trains: list[bool] = []
+    for text, trainable in pieces:
+        piece = tokenizer.encode(text) if text else []
+        ids += piece
+        trains += [trainable] * len(piece)
+    return ids, trains
+
+
+def check_messages(value: Any, where: str, field: str = "messages") -> list[Message]:
+    """``value`` as a list of ``{"role", "content"}`` messages, or RecordError at ``where``."""
+    if not isinstance(value, list) or not value:
+        raise RecordError(f"{where}: {field!r} must be a non-empty list of messages")
+    for j, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise RecordError(f"{where}: {field}[{j}] is not an object")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise RecordError(f"{where}: {field}[{j}].role is {role!r}; expected one of {ROLES}")
+        if not isinstance(content, str):
+            raise RecordError(f"{where}: {field}[{j}].content must be a string")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def read_jsonl(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """The records of a JSONL file, each with its ``file:line`` for error messages."""
+    records = []
+    with Path(path).open(encoding="utf-8") as file:
+        for lineno, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                raise RecordError(f"{where}: invalid JSON ({error})") from None
+            if not isinstance(record, dict):
+                raise RecordError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            records.append((where, record))
+    if not records:
+        raise RecordError(f"{path}: no records")
+    return records

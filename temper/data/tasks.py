@@ -1,0 +1,112 @@
+"""Built-in chat tasks from the synthetic generator: copy and sort, as SFT and preference data.
+
+A synthetic ``"copy: a b c -> a b c"`` line becomes a user turn (``"copy: a b c"``) and the
+assistant's answer (``"a b c"``). A rejected answer for DPO is the correct one with one
+item changed, so the pair differs only where the task is done wrong. Examples are indexed;
+``split`` "train" and "eval" use disjoint index ranges, so evaluation is held out.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+from temper.config import Data
+from temper.data.chat import load_chat_template
+from temper.data.loader import BatchLoader
+from temper.data.preference import preference_dataset, read_preference_records
+from temper.data.sft import read_sft_records, sft_dataset
+from temper.data.synthetic import _copy, _sort
+from temper.data.tokenizer import Tokenizer
+
+Split = Literal["train", "eval"]
+_EVAL_OFFSET = 10_000_000
+
+
+def task_example(seed: int, index: int) -> tuple[str, str]:
+    """(question, answer) number ``index`` of the stream for ``seed``."""
+    rng = random.Random(f"temper.tasks:{seed}:{index}")
+    question, answer = rng.choice((_copy, _sort))(rng).split(" -> ")
+    return question, answer
+
+
+def _index(split: Split, i: int) -> int:
+    return i + (_EVAL_OFFSET if split == "eval" else 0)
+
+
+def sft_conversations(seed: int, split: Split, count: int) -> list[list[dict[str, str]]]:
+    """``count`` one-turn conversations of ``split``."""
+    conversations = []
+    for i in range(count):
+        question, answer = task_example(seed, _index(split, i))
+        conversations.append(
+            [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        )
+    return conversations
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """``answer`` with one of its items replaced by a different one of the same kind."""
+    items = answer.split(" ")
+    k = rng.randrange(len(items))
+    pool = "0123456789" if items[k].isdigit() else "abcdefghijklmnopqrstuvwxyz"
+    items[k] = rng.choice([c for c in pool if c != items[k]])
+    return " ".join(items)
+
+
+def preference_pairs(
+    seed: int, split: Split, count: int
+) -> list[tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]]:
+    """``count`` (prompt, chosen, rejected) message triples of ``split``."""
+    pairs = []
+    for i in range(count):
+        question, answer = task_example(seed, _index(split, i))
+        rng = random.Random(f"temper.tasks.rejected:{seed}:{_index(split, i)}")
+        pairs.append(
+            (
+                [{"role": "user", "content": question}],
+                [{"role": "assistant", "content": answer}],
+                [{"role": "assistant", "content": wrong_answer(answer, rng)}],
+            )
+        )
+    return pairs
+
+
+def build_chat_loader(
+    data: Data,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    batch_size: int,
+    *,
+    seed: int,
+    dp_rank: int,
+    dp_world: int,
+    tokenizer_folder: str | None,
+) -> BatchLoader:
+    """The loader of an sft or preference run: the user's JSONL file, or the built-in tasks'
+    training split; the template comes from ``data.chat_template`` or the tokenizer folder."""
+    template = load_chat_template(data.chat_template, tokenizer_folder)
+    common = dict(policy=data.max_length_policy, seed=seed, dp_rank=dp_rank, dp_world=dp_world)
+    if data.format == "sft":
+        conversations = (
+            read_sft_records(data.path)
+            if data.path is not None
+            else sft_conversations(seed, "train", data.builtin_examples)
+        )
+        dataset = sft_dataset(
+            conversations,
+            tokenizer,
+            template,
+            seq_len,
+            train_on_prompt=data.train_on_prompt,
+            pack=data.pack,
+            **common,
+        )
+    else:
+        pairs = (
+            read_preference_records(data.path)
+            if data.path is not None
+            else preference_pairs(seed, "train", data.builtin_examples)
+        )
+        dataset = preference_dataset(pairs, tokenizer, template, seq_len, **common)
+    return BatchLoader(dataset, batch_size)

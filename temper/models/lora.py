@@ -1,0 +1,143 @@
+"""LoRA: low-rank adapters on chosen linear layers, the base weights frozen.
+
+``apply_lora`` runs on the meta model before parallelization, so FSDP2 shards the adapters
+with their block; ``init_lora`` fills them after ``materialize`` (A as ``nn.Linear``'s
+default init, B zero, so the adapted model starts equal to the base). A ``LoRALinear`` is an
+``nn.Linear`` with extra parameters: the base weight keeps its name, so HF loading is
+unchanged, and ``merge_lora`` folds the adapters back into plain ``nn.Linear`` weights for
+export. ``adapters_disabled`` gives the base model, the DPO reference when LoRA is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LoRALinear(nn.Linear):
+    """``x W^T + b + scale * dropout(x) A^T B^T``, with ``A`` [rank, in] and ``B`` [out, rank]."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        rslora: bool,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.lora_a = nn.Parameter(torch.empty(rank, in_features))
+        self.lora_b = nn.Parameter(torch.empty(out_features, rank))
+        self.dropout = nn.Dropout(dropout)
+        # rsLoRA (Kalajdzievski, 2023): alpha / sqrt(rank) keeps the update's scale
+        # independent of the rank, where alpha / rank shrinks it as the rank grows.
+        self.scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+        self.enabled = True
+
+    def reset_lora(self) -> None:
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return out
+        return out + self.scale * F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)
+
+
+def apply_lora(
+    model: nn.Module,
+    target_modules: Sequence[str],
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    rslora: bool = False,
+) -> list[str]:
+    """Swap every ``nn.Linear`` whose name matches a pattern for a ``LoRALinear`` and freeze
+    all other parameters; returns the adapted names. Fails if no module matches."""
+    names = [
+        name
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and any(fnmatch.fnmatchcase(name, p) for p in target_modules)
+    ]
+    if not names:
+        raise ValueError(
+            f"lora.target_modules {list(target_modules)} match no linear layer of "
+            f"{type(model).__name__}"
+        )
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        base = getattr(parent, child)
+        with torch.device(base.weight.device):
+            lora = LoRALinear(
+                base.in_features,
+                base.out_features,
+                base.bias is not None,
+                rank=rank,
+                alpha=alpha,
+                dropout=dropout,
+                rslora=rslora,
+            )
+        lora.weight = base.weight
+        lora.bias = base.bias
+        setattr(parent, child, lora)
+    return names
+
+
+def lora_modules(model: nn.Module) -> Iterator[LoRALinear]:
+    return (m for m in model.modules() if isinstance(m, LoRALinear))
+
+
+def init_lora(model: nn.Module) -> None:
+    """Fill the adapters after ``materialize`` (which re-inits only the base weights)."""
+    with torch.no_grad():
+        for module in lora_modules(model):
+            module.reset_lora()
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model inside the block: every adapter off, then back on."""
+    modules = list(lora_modules(model))
+    for module in modules:
+        module.enabled = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.enabled = True
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Replace each (unsharded) ``LoRALinear`` by an ``nn.Linear`` holding W + scale * B A."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, LoRALinear):
+            continue
+        merged = nn.Linear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+        )
+        delta = module.scale * (module.lora_b.float() @ module.lora_a.float())
+        merged.weight.copy_(module.weight.float() + delta)
+        if module.bias is not None:
+            merged.bias.copy_(module.bias)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, merged)
+    return model

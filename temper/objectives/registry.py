@@ -1,0 +1,64 @@
+"""Objectives by name: the config's ``objective.name`` picks a builder registered here.
+
+A user module (the recipe's MODULE) can add its own with ``@register_objective("name")``.
+A builder gets the run's Config and a function that builds a frozen reference model (a copy
+of the policy, sharded like it); only objectives that need one call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from temper.config import Config
+from temper.models.lora import adapters_disabled
+from temper.objectives.causal_lm import CausalLM, Objective
+from temper.objectives.dpo import DPO
+
+Builder = Callable[[Config, Callable[[], nn.Module]], Objective]
+
+_OBJECTIVES: dict[str, Builder] = {}
+
+
+def register_objective(name: str) -> Callable[[Builder], Builder]:
+    def register(builder: Builder) -> Builder:
+        if name in _OBJECTIVES:
+            raise ValueError(f"objective {name!r} is already registered")
+        _OBJECTIVES[name] = builder
+        return builder
+
+    return register
+
+
+def objective_names() -> list[str]:
+    return sorted(_OBJECTIVES)
+
+
+def build_objective(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
+    name = config.objective.name
+    if name not in _OBJECTIVES:
+        raise ValueError(
+            f"objective.name {name!r} is not registered; choose one of "
+            f"{', '.join(objective_names())}"
+        )
+    return _OBJECTIVES[name](config, build_reference)
+
+
+@register_objective("causal_lm")
+def _causal_lm(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
+    return CausalLM()
+
+
+@register_objective("dpo")
+def _dpo(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
+    section = config.objective
+    # With LoRA the base weights never change: the policy with adapters off is the reference.
+    lora = config.lora.enable
+    return DPO(
+        beta=section.beta,
+        label_smoothing=section.label_smoothing,
+        loss_type=section.loss_type,
+        reference=None if lora else build_reference(),
+        reference_mode=adapters_disabled if lora else None,
+    )

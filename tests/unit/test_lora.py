@@ -1,0 +1,90 @@
+"""LoRA: starts as the base model, trains only adapters, merges into equal weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from temper.models import build_model, materialize
+from temper.models.lora import (
+    LoRALinear,
+    adapters_disabled,
+    apply_lora,
+    init_lora,
+    lora_modules,
+    merge_lora,
+)
+
+TARGETS = ["layers.*.attention.w*", "layers.*.feed_forward.w*"]
+
+
+def _models(rslora: bool = False) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    base = materialize(build_model("llama3", "debug"), "cpu")
+    adapted = build_model("llama3", "debug")
+    names = apply_lora(adapted, TARGETS, rank=4, alpha=8.0, rslora=rslora)
+    assert len(names) == 4 * 7  # wq wk wv wo w1 w2 w3 per layer
+    materialize(adapted, "cpu")
+    init_lora(adapted)
+    adapted.load_state_dict(base.state_dict(), strict=False)
+    return base, adapted
+
+
+def test_init_leaves_outputs_unchanged_and_freezes_the_base() -> None:
+    base, adapted = _models()
+    ids = torch.randint(0, 2048, (2, 16))
+    torch.testing.assert_close(adapted(ids), base(ids), rtol=0, atol=0)
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith(("lora_a", "lora_b")) for n in trainable)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_merged_weights_equal_the_adapted_forward(rslora: bool) -> None:
+    _, adapted = _models(rslora)
+    with torch.no_grad():
+        for module in lora_modules(adapted):
+            module.lora_b.normal_(std=0.02)  # as after training: B no longer zero
+    ids = torch.randint(0, 2048, (2, 16))
+    adapted_logits = adapted(ids)
+    with adapters_disabled(adapted):
+        base_logits = adapted(ids)
+    assert not torch.allclose(adapted_logits, base_logits)
+    merged = merge_lora(adapted)
+    assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+    torch.testing.assert_close(merged(ids), adapted_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_scale() -> None:
+    args = dict(rank=4, alpha=8.0, dropout=0.0)
+    assert LoRALinear(3, 5, False, rslora=False, **args).scale == 2.0
+    assert LoRALinear(3, 5, False, rslora=True, **args).scale == 4.0
+
+
+def test_no_matching_module_fails() -> None:
+    with pytest.raises(ValueError, match="match no linear layer"):
+        apply_lora(build_model("llama3", "debug"), ["nothing.*"], rank=2, alpha=2.0)
+
+
+def test_export_merges_the_adapters(tmp_path) -> None:
+    import dataclasses
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from temper.checkpoint.convert import load_checkpoint_model
+    from temper.checkpoint.manager import write_checkpoint
+    from temper.checkpoint.metadata import build_metadata, run_structure
+    from temper.config import LoRA
+
+    _, adapted = _models()
+    with torch.no_grad():
+        for module in lora_modules(adapted):
+            module.lora_b.normal_(std=0.02)
+    lora = dataclasses.asdict(LoRA(enable=True, rank=4, alpha=8.0, target_modules=TARGETS))
+    structure = run_structure(ep=1, lora=lora, param_dtype=torch.float32)
+    metadata = build_metadata(adapted, step=1, structure=structure)
+    write_checkpoint(tmp_path / "step-1", {"model": get_model_state_dict(adapted)}, metadata)
+    exported = load_checkpoint_model(tmp_path / "step-1")
+    assert not any(isinstance(m, LoRALinear) for m in exported.modules())
+    ids = torch.randint(0, 2048, (2, 16))
+    torch.testing.assert_close(exported(ids), adapted(ids), rtol=1e-5, atol=1e-5)
