@@ -1,41 +1,79 @@
 """Training-step benchmark: Temper's native model against `transformers` on the same weights.
 
-    python -m bench.train_step                       # every built-in case, CPU
-    python -m bench.train_step --cases llama3-20m --seq-len 512 --steps 5
+    python -m bench.train_step                                  # this device's cases
+    python -m bench.train_step --cases qwen3-50m --seq-len 1024 --steps 3
+    python -m bench.train_step --device cuda --dtype bfloat16 --cases llama3-8b-4l
 
 For each case one random HF model is saved to a temp folder; Temper loads it with
 `load_hf`, `transformers` with `from_pretrained`, so both train from the same
-weights on the same batch with the same AdamW. Each side runs in a fresh child
-process so its peak memory (max resident set on CPU, allocator peak on CUDA) is
-its own. Prints a Markdown table with tokens/s and peak memory and their ratios.
+weights on the same batch with the same fused AdamW (bf16 runs use autocast on both
+sides, fp32 master weights). Temper trains as its trainer does: `configure_kernels` (the
+dispatcher's auto choices, or the references with `--kernels reference`) and the
+`CausalLM` objective, so its loss is the fused linear cross-entropy. `transformers`
+computes full logits and `cross_entropy` on them, as its own loss does (plus the
+router's aux loss for MoE). Each side runs in a fresh process so its peak memory is
+its own: on CPU the peak resident set during the timed steps minus the resident set
+before the model existed; on CUDA the allocator's peak. The two processes take turns,
+one step each, while the other waits, so load from anything else on the machine falls
+on both alike; tokens/s is each side's fastest step. MFU is the
+model's training FLOPs per token (`flops_per_token`) times tokens/s over
+`temper.utils.peak_flops` of the device (measured by a matmul probe on CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
-import resource
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+SIDES = ("temper", "hf")
+
 
 @dataclass(frozen=True)
 class Case:
     name: str
+    device: str
+    """The device type the case is sized for; the default case list is this device's."""
     hf_config: dict[str, Any]
 
+
+_QWEN3_SMALL = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
+_LLAMA3_8B = dict(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
 
 CASES = {
     case.name: case
     for case in [
         Case(
             "llama3-20m",
+            "cpu",
             dict(
                 model_type="llama",
                 vocab_size=32000,
@@ -49,6 +87,7 @@ CASES = {
         ),
         Case(
             "llama3-60m",
+            "cpu",
             dict(
                 model_type="llama",
                 vocab_size=32000,
@@ -57,6 +96,45 @@ CASES = {
                 num_hidden_layers=8,
                 num_attention_heads=10,
                 num_key_value_heads=5,
+                tie_word_embeddings=False,
+            ),
+        ),
+        # The CPU target: Qwen3-shaped (q/k norms, GQA, tied), 48M parameters, 32K vocab.
+        Case("qwen3-50m", "cpu", dict(model_type="qwen3", num_hidden_layers=10, **_QWEN3_SMALL)),
+        # 98M parameters, about 32M active: 16 experts, top 2, every layer sparse.
+        Case(
+            "qwen3-moe-100m",
+            "cpu",
+            dict(
+                model_type="qwen3_moe",
+                num_hidden_layers=8,
+                moe_intermediate_size=384,
+                num_experts=16,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                output_router_logits=True,
+                **_QWEN3_SMALL,
+            ),
+        ),
+        # Llama 3 8B's layers, embedding and head; 4 of its 32 layers fit one GPU with AdamW.
+        Case("llama3-8b-4l", "cuda", dict(num_hidden_layers=4, **_LLAMA3_8B)),
+        Case(
+            "qwen3-moe-30b-a3b-4l",
+            "cuda",
+            dict(
+                model_type="qwen3_moe",
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=6144,
+                moe_intermediate_size=768,
+                num_experts=128,
+                num_experts_per_tok=8,
+                num_hidden_layers=4,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                norm_topk_prob=True,
+                output_router_logits=True,
                 tie_word_embeddings=False,
             ),
         ),
@@ -72,35 +150,68 @@ def make_hf_folder(case: Case, folder: Path) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 
 
-def measure(side: str, folder: str, batch: int, seq_len: int, steps: int, device: str) -> dict:
-    """Warm up one step, then time `steps` optimizer steps; runs in a child process."""
+def measure(
+    side: str,
+    turns: Barrier,
+    folder: str,
+    batch: int,
+    seq_len: int,
+    steps: int,
+    device: str,
+    dtype: str,
+    kernels: str,
+    compile_blocks: bool,
+) -> dict:
+    """One side's run, in its own process: a warm-up step, then `steps` timed steps taken in
+    turns with the other side (``turns``), so both meet the same load on a shared machine."""
     torch.manual_seed(0)
     dev = torch.device(device)
     rss_before = _rss_gib()
     if side == "temper":
+        from temper.kernels.dispatch import REFERENCE, Kernels, configure_kernels
         from temper.models import load_hf
+        from temper.objectives import CausalLM
 
+        configure_kernels(Kernels() if kernels == "auto" else REFERENCE, dev)
         model = load_hf(folder, device=dev)
+        if compile_blocks:
+            from temper.parallel.compile import apply_compile
 
-        def logits_of(ids: torch.Tensor) -> torch.Tensor:
-            return model(ids)
+            apply_compile(model.layers)
+        objective = CausalLM()
+        vocab = model.args.vocab_size
+
+        def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            loss_sum, n_tokens, _ = objective.loss(model, {"input_ids": ids, "labels": labels})
+            return loss_sum / n_tokens
     else:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").to(dev)
+        vocab = model.config.vocab_size
+        aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0)
 
-        def logits_of(ids: torch.Tensor) -> torch.Tensor:
-            return model(ids).logits
+        def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            out = model(ids)
+            loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten())
+            if getattr(out, "aux_loss", None) is not None:
+                loss = loss + aux_coef * out.aux_loss
+            return loss
 
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    vocab = model.config.vocab_size if side == "hf" else model.args.vocab_size
+    # fused=True: transformers' Trainer default (adamw_torch_fused) for torch >= 2.8.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     batch_rng = torch.Generator().manual_seed(0)  # loading consumes the global RNG differently
     ids = torch.randint(0, vocab, (batch, seq_len + 1), generator=batch_rng).to(dev)
+    autocast = (
+        torch.autocast(dev.type, dtype=torch.bfloat16)
+        if dtype == "bfloat16"
+        else contextlib.nullcontext()
+    )
 
     def step() -> float:
-        logits = logits_of(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        with autocast:
+            loss = loss_of(ids[:, :-1], ids[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -108,24 +219,52 @@ def measure(side: str, folder: str, batch: int, seq_len: int, steps: int, device
 
     first_loss = step()
     _sync(dev)
-    start = time.perf_counter()
+    turns.wait()  # both sides warmed up (and compiled) before any timing
+    _reset_peak(dev)
+    times = []
     for _ in range(steps):
-        step()
-    _sync(dev)
-    elapsed = time.perf_counter() - start
+        for turn in SIDES:
+            if turn == side:
+                start = time.perf_counter()
+                step()
+                _sync(dev)
+                times.append(time.perf_counter() - start)
+            turns.wait()
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev) / 2**30
     else:
-        peak = _rss_gib() - rss_before
+        peak = _peak_rss_gib() - rss_before
+    flops = model.flops_per_token(seq_len) if side == "temper" else None
     return {
-        "tokens_per_second": batch * seq_len * steps / elapsed,
+        "tokens_per_second": batch * seq_len / min(times),
         "peak_gib": peak,
         "first_loss": first_loss,
+        "flops_per_token": flops,
+        "params": sum(p.numel() for p in model.parameters()),
     }
 
 
+def _status_gib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
 def _rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return _status_gib("VmRSS")
+
+
+def _peak_rss_gib() -> float:
+    return _status_gib("VmHWM")
+
+
+def _reset_peak(device: torch.device) -> None:
+    """Peaks from here on: the warm-up step (and any compilation in it) is not counted."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
 def _sync(device: torch.device) -> None:
@@ -133,42 +272,104 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _in_child(*args: Any) -> dict:
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(measure, args)
+def run_sides(*args: Any) -> dict[str, dict]:
+    """Both sides at once in fresh processes (each peak memory is its own), stepping in turns."""
+    ctx = mp.get_context("spawn")
+    turns, results = ctx.Barrier(len(SIDES)), ctx.Queue()
+    procs = [ctx.Process(target=_side_main, args=(side, turns, results, *args)) for side in SIDES]
+    for proc in procs:
+        proc.start()
+    out = dict(results.get() for _ in procs)
+    for proc in procs:
+        proc.join()
+    failed = {side: r for side, r in out.items() if "error" in r}
+    if failed:
+        raise RuntimeError(f"benchmark failed: {failed}")
+    return out
+
+
+def _side_main(side: str, turns: Barrier, results: Queue, *args: Any) -> None:
+    try:
+        results.put((side, measure(side, turns, *args)))
+    except Exception:
+        turns.abort()  # release the other side instead of leaving it waiting
+        results.put((side, {"error": traceback.format_exc()}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
-
-    print(
-        f"device {args.device}, fp32, batch {args.batch} x seq {args.seq_len}, "
-        f"{args.steps} timed steps after one warm-up, torch {torch.__version__}\n"
+    parser.add_argument("--cases", help="comma-separated case names (default: the device's)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", default="256", help="comma-separated sequence lengths")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    parser.add_argument(
+        "--kernels",
+        choices=["auto", "reference"],
+        default="auto",
+        help="Temper's kernel choices: the dispatcher's auto, or every reference and full logits",
     )
-    columns = ["Temper tok/s", "HF tok/s", "speed ratio", "Temper peak GiB", "HF peak GiB"]
-    print("| case | " + " | ".join(columns) + " | memory ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name in args.cases.split(","):
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also torch.compile Temper's decoder blocks, as --compile.enable does",
+    )
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    names = args.cases.split(",") if args.cases else [
+        name for name, case in CASES.items() if case.device == device.type
+    ]  # fmt: skip
+
+    from temper.utils.peak_flops import peak_flops
+
+    peak = peak_flops(device, getattr(torch, dtype))
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = f"{torch.get_num_threads()} threads"
+    print(
+        f"device {device} ({hardware}), {dtype}, batch {args.batch}, fastest of {args.steps} "
+        f"steps each after one warm-up, Temper kernels {args.kernels}"
+        f"{' + compiled blocks' if args.compile else ''}, torch {torch.__version__}, "
+        f"peak {peak / 1e12 if peak else float('nan'):.2f} TFLOP/s\n"
+    )
+    columns = ["Temper tok/s", "HF tok/s", "speed", "Temper MFU", "HF MFU", "Temper GiB", "HF GiB"]
+    print("| case | params | seq | " + " | ".join(columns) + " | memory |")
+    print("| --- | ---: | ---: |" + " ---: |" * (len(columns) + 1))
+    for name in names:
         case = CASES[name]
         with tempfile.TemporaryDirectory() as folder:
             make_hf_folder(case, Path(folder))
-            common = (folder, args.batch, args.seq_len, args.steps, args.device)
-            ours, theirs = _in_child("temper", *common), _in_child("hf", *common)
-        if abs(ours["first_loss"] - theirs["first_loss"]) > 1e-3 * abs(theirs["first_loss"]):
-            raise RuntimeError(f"{name}: the two models disagree: {ours} vs {theirs}")
-        print(
-            f"| {name} | {ours['tokens_per_second']:,.0f} | {theirs['tokens_per_second']:,.0f} "
-            f"| {ours['tokens_per_second'] / theirs['tokens_per_second']:.2f}x "
-            f"| {ours['peak_gib']:.2f} | {theirs['peak_gib']:.2f} "
-            f"| {ours['peak_gib'] / theirs['peak_gib']:.2f}x |",
-            flush=True,
-        )
+            for seq_len in map(int, args.seq_len.split(",")):
+                common = (folder, args.batch, seq_len, args.steps, args.device, dtype)
+                runs = run_sides(*common, args.kernels, args.compile)
+                ours, theirs = runs["temper"], runs["hf"]
+                _report(name, seq_len, ours, theirs, peak, dtype)
+
+
+def _report(
+    name: str, seq_len: int, ours: dict, theirs: dict, peak: float | None, dtype: str
+) -> None:
+    tolerance = 1e-3 if dtype == "float32" else 2e-2
+    if abs(ours["first_loss"] - theirs["first_loss"]) > tolerance * abs(theirs["first_loss"]):
+        raise RuntimeError(f"{name}: the two models disagree: {ours} vs {theirs}")
+
+    def mfu(side: dict) -> str:
+        if not peak:
+            return "n/a"
+        return f"{100 * side['tokens_per_second'] * ours['flops_per_token'] / peak:.1f}%"
+
+    print(
+        f"| {name} | {ours['params'] / 1e6:.0f}M | {seq_len} "
+        f"| {ours['tokens_per_second']:,.0f} | {theirs['tokens_per_second']:,.0f} "
+        f"| {ours['tokens_per_second'] / theirs['tokens_per_second']:.2f}x "
+        f"| {mfu(ours)} | {mfu(theirs)} "
+        f"| {ours['peak_gib']:.2f} | {theirs['peak_gib']:.2f} "
+        f"| {ours['peak_gib'] / theirs['peak_gib']:.2f}x |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

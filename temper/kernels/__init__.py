@@ -1,5 +1,11 @@
-"""Fused ops, each beside a plain-PyTorch reference that CPU tests compare against."""
+"""Fused ops, each beside a plain-PyTorch reference that CPU tests compare against.
 
+``dispatch`` picks each op's implementation (reference, compile, triton) from the run's
+``Kernels`` config and the device; docs/kernels.md has the measurements behind its choices.
+"""
+
+from temper.kernels.cross_entropy import linear_cross_entropy, linear_log_probs
+from temper.kernels.dispatch import Kernels, configure_kernels
 from temper.kernels.grouped_gemm import grouped_mm
 
-__all__ = ["grouped_mm"]
+__all__ = ["Kernels", "configure_kernels", "grouped_mm", "linear_cross_entropy", "linear_log_probs"]

@@ -3,29 +3,69 @@
 `linear_log_probs(hidden, weight, labels)` returns, per token, the log-probability of
 its label and the log-partition `logsumexp(logits)`. Cross-entropy, z-loss, and the
 per-token log-probabilities that DPO and GRPO need are all simple functions of these
-two vectors. The backward recomputes each chunk's logits instead of keeping them:
-one extra matmul per chunk buys memory that no longer grows with the vocabulary.
+two vectors, and since every token is independent, a sequence-parallel shard of hidden
+states and labels needs nothing special. Its backward recomputes each chunk's logits
+instead of keeping them: one extra matmul per chunk buys memory that no longer grows
+with the vocabulary.
 
-`linear_log_probs_reference` is the plain computation that tests compare against.
+`linear_cross_entropy` is the training loss itself (summed cross-entropy plus z-loss).
+Its gradient is known up to the one scalar that the backward brings, so the forward
+computes it chunk by chunk and the backward only scales it: the same three head matmuls
+as unfused training, no recompute, and neither logits nor hidden states are kept.
+
+Per chunk, the softmax statistics and the logits' gradient run through the kernel
+dispatcher (op ``cross_entropy``): the reference below, its compiled form, or Triton
+kernels that read the chunk once and write its gradient in place.
+`linear_log_probs_reference` is the plain full-logits computation that tests compare against.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from temper.kernels.dispatch import Impl, choose
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_TOKENS = 1024
+
+
+def log_probs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 log-softmax statistics of logits [..., vocab]: (log p(label), logsumexp);
+    ignored labels get log-probability 0."""
+    logits = logits.float()
+    lse = logits.logsumexp(dim=-1)
+    valid = labels != IGNORE_INDEX
+    picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked - lse, 0.0), lse
+
+
+def logits_grad_reference(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad_log_probs: torch.Tensor,
+    grad_lse: torch.Tensor,
+) -> torch.Tensor:
+    """Gradient of the logits chunk [rows, vocab], in its dtype, from the gradients of both
+    outputs; ``grad_log_probs`` is already 0 at ignored labels.
+
+    d lse / d logits = p;  d log p_label / d logits = onehot(label) - p.
+    """
+    probs = (logits.float() - lse[:, None]).exp()
+    grad = probs * (grad_lse - grad_log_probs)[:, None]
+    grad.scatter_add_(1, labels.clamp(min=0)[:, None], grad_log_probs[:, None])
+    return grad.to(logits.dtype)
 
 
 def linear_log_probs_reference(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full logits, then fp32 log-softmax; ignored labels get log-probability 0."""
-    logits = (hidden @ weight.t()).float()
-    lse = logits.logsumexp(dim=-1)
-    valid = labels != IGNORE_INDEX
-    picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(valid, picked - lse, 0.0), lse
+    return log_probs_from_logits(hidden @ weight.t(), labels)
 
 
 def linear_log_probs(
@@ -33,16 +73,139 @@ def linear_log_probs(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    impl: Impl | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked, memory-lean equivalent of `linear_log_probs_reference`.
 
     hidden [..., dim], weight [vocab, dim], labels [...] -> (log_probs, lse), both fp32 [...].
+    Under autocast both operands are cast to its dtype here, so the forward and the
+    recomputing backward (which runs outside autocast) multiply in the same precision.
+    ``impl`` pins the per-chunk implementation.
     """
+    hidden, weight = _autocast_operands(hidden, weight)
     shape = labels.shape
     log_probs, lse = _ChunkedLinearLogProbs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_tokens
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_tokens, impl
     )
     return log_probs.view(shape), lse.view(shape)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    z_loss_weight: float = 0.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    impl: Impl | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss from the head's input, in chunks of tokens.
+
+    Returns ``sum over valid labels of -log p(label) + z_loss_weight * lse^2`` and, without
+    gradient, the sum of ``lse^2`` over valid labels (the z-loss metric). Equal to
+    ``linear_log_probs_reference`` followed by those sums; autocast as in `linear_log_probs`.
+    """
+    hidden, weight = _autocast_operands(hidden, weight)
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1),
+        z_loss_weight,
+        chunk_tokens,
+        impl,
+    )
+
+
+def _autocast_operands(
+    hidden: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both cast to the autocast dtype when autocast is on, so the chunks' matmuls, in forward
+    and in a backward that runs outside autocast, use one precision."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        return hidden.to(dtype), weight.to(dtype)
+    return hidden, weight
+
+
+def _grad_buffers(
+    ctx: torch.autograd.function.FunctionCtx, hidden: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradient outputs for the inputs that need one; the weight's accumulates in fp32."""
+    want_hidden, want_weight = ctx.needs_input_grad[:2]
+    grad_hidden = torch.empty_like(hidden) if want_hidden else None
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+    return grad_hidden, grad_weight
+
+
+def _accumulate(
+    grad_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: slice,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> None:
+    """One chunk's share of the gradients: its rows of d hidden, its term of d weight."""
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden[rows])
+    if grad_weight is None:
+        return
+    if grad_logits.dtype == torch.float32:
+        grad_weight.addmm_(grad_logits.t(), hidden[rows])  # no [vocab, dim] temporary
+    else:
+        grad_weight += (grad_logits.t() @ hidden[rows]).float()
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        z_loss_weight: float,
+        chunk_tokens: int,
+        impl: Impl | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = choose("cross_entropy", hidden.device, impl, log_probs_from_logits, _triton_stats)
+        logits_grad = choose(
+            "cross_entropy", hidden.device, impl, logits_grad_reference, _triton_grad
+        )
+        grad_hidden, grad_weight = _grad_buffers(ctx, hidden, weight)
+        nll = hidden.new_zeros((), dtype=torch.float32)
+        z_sum = torch.zeros_like(nll)
+        for start in range(0, labels.numel(), chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            logits = hidden[rows] @ weight.t()
+            log_probs, lse = stats(logits, labels[rows])
+            valid = labels[rows] != IGNORE_INDEX
+            valid_lse = torch.where(valid, lse, 0.0)
+            nll -= log_probs.sum()
+            z_sum += valid_lse.pow(2).sum()
+            if grad_hidden is None and grad_weight is None:
+                continue
+            # d loss / d log p = -1 and d loss / d lse = 2 z lse, on valid labels only.
+            grad_log_probs = -valid.float()
+            grad_lse = 2 * z_loss_weight * valid_lse
+            grad_logits = logits_grad(logits, labels[rows], lse, grad_log_probs, grad_lse)
+            _accumulate(grad_logits, hidden, weight, rows, grad_hidden, grad_weight)
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(z_sum)
+        return nll + z_loss_weight * z_sum, z_sum
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, _: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy's gradients were already used (one backward)")
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_loss)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 class _ChunkedLinearLogProbs(torch.autograd.Function):
@@ -53,16 +216,17 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         weight: torch.Tensor,
         labels: torch.Tensor,
         chunk_tokens: int,
+        impl: Impl | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = choose("cross_entropy", hidden.device, impl, log_probs_from_logits, _triton_stats)
         log_probs = hidden.new_empty(labels.shape, dtype=torch.float32)
         lse = torch.empty_like(log_probs)
         for start in range(0, labels.numel(), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            log_probs[rows], lse[rows] = linear_log_probs_reference(
-                hidden[rows], weight, labels[rows]
-            )
+            log_probs[rows], lse[rows] = stats(hidden[rows] @ weight.t(), labels[rows])
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_tokens = chunk_tokens
+        ctx.impl = impl
         return log_probs, lse
 
     @staticmethod
@@ -72,26 +236,33 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         grad_lse: torch.Tensor,
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        logits_grad = choose(
+            "cross_entropy", hidden.device, ctx.impl, logits_grad_reference, _triton_grad
         )
-        valid = labels != IGNORE_INDEX
-        grad_log_probs = torch.where(valid, grad_log_probs, 0.0)
+        grad_hidden, grad_weight = _grad_buffers(ctx, hidden, weight)
+        grad_log_probs = torch.where(labels != IGNORE_INDEX, grad_log_probs, 0.0)
         for start in range(0, labels.numel(), ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
-            h = hidden[rows]
-            probs = ((h @ weight.t()).float() - lse[rows, None]).exp()
-            # d lse / d logits = p;  d log p_label / d logits = onehot(label) - p
-            grad_logits = probs * (grad_lse[rows] - grad_log_probs[rows])[:, None]
-            grad_logits.scatter_add_(
-                1, labels[rows].clamp(min=0)[:, None], grad_log_probs[rows, None]
+            grad_logits = logits_grad(
+                hidden[rows] @ weight.t(),
+                labels[rows],
+                lse[rows],
+                grad_log_probs[rows],
+                grad_lse[rows],
             )
-            grad_logits = grad_logits.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += (grad_logits.t() @ h).float()
+            _accumulate(grad_logits, hidden, weight, rows, grad_hidden, grad_weight)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _triton_stats() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    from temper.kernels.triton.cross_entropy import log_probs_from_logits
+
+    return log_probs_from_logits
+
+
+def _triton_grad() -> Callable[..., torch.Tensor]:
+    from temper.kernels.triton.cross_entropy import logits_grad
+
+    return logits_grad

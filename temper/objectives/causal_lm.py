@@ -1,17 +1,27 @@
-"""Next-token cross-entropy: the objective of pretraining and SFT."""
+"""Next-token cross-entropy: the objective of pretraining and SFT.
+
+With ``kernels.fused_cross_entropy`` (``temper.kernels.dispatch``) the LM head and the loss run
+in chunks of tokens from the model's ``hidden_states`` and ``output.weight``, so the full
+[tokens, vocab] logits never exist; otherwise from full logits. Both give the same numbers.
+"""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from temper.kernels.attention import DocumentMask
+from temper.kernels.cross_entropy import linear_cross_entropy, log_probs_from_logits
+from temper.kernels.dispatch import kernel_settings
 
 IGNORE_INDEX = -100
 """Label value of a position that does not count in the loss."""
+
+DOCUMENT_POSITIONS = "document_position_ids"
+"""Batch key of the whole sequence's positions when ``position_ids`` hold a sequence-parallel
+slice: documents are found on the whole sequence, which attention sees."""
 
 Batch = dict[str, torch.Tensor]
 
@@ -27,6 +37,10 @@ class Objective(Protocol):
         self, model: nn.Module, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]: ...
 
+    def count(self, batch: Batch) -> torch.Tensor:
+        """The units the loss sums over in ``batch`` (tokens; pairs for DPO)."""
+        ...
+
 
 class CausalLM:
     """Sum of next-token negative log-likelihoods over labels that are not ignored.
@@ -34,21 +48,39 @@ class CausalLM:
     A model with ``aux_loss()`` (MoE load balancing) adds ``router_aux_loss_coef * aux`` per
     valid token, so after the trainer's division the gradient carries coef x the token-weighted
     mean of aux over micro-batches and ranks, and one batch's loss equals HF's CE + coef * aux.
+    ``z_loss_weight`` adds ``weight * logsumexp(logits)^2`` per valid token (PaLM's z-loss),
+    which keeps the softmax normalizer near 1 and the logits from drifting in bf16.
     """
+
+    def __init__(self, z_loss_weight: float = 0.0) -> None:
+        self.z_loss_weight = z_loss_weight
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return count_tokens(batch)
 
     def loss(
         self, model: nn.Module, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        logits = model(batch["input_ids"], batch.get("position_ids"), documents(batch))
         labels = batch["labels"]
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1).float(),
-            labels.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        args = (batch["input_ids"], batch.get("position_ids"), documents(batch))
+        kernels = kernel_settings()
+        if kernels.fused_cross_entropy:
+            hidden = model.hidden_states(*args)
+            loss_sum, z_sum = linear_cross_entropy(
+                hidden,
+                model.output.weight,
+                labels,
+                self.z_loss_weight,
+                kernels.chunk_tokens(hidden.device),
+            )
+        else:
+            log_probs, lse = log_probs_from_logits(model(*args), labels)
+            z_sum = lse[labels != IGNORE_INDEX].pow(2).sum()
+            loss_sum = -log_probs.sum() + self.z_loss_weight * z_sum
         n_tokens = count_tokens(batch)
         metrics: dict[str, float] = {}
+        if self.z_loss_weight:
+            metrics["z_loss"] = (z_sum / n_tokens.clamp(min=1)).item()
         if hasattr(model, "aux_loss"):
             aux = model.aux_loss()
             loss_sum = loss_sum + model.args.router_aux_loss_coef * aux * n_tokens
@@ -60,7 +92,7 @@ class CausalLM:
 def documents(batch: Batch) -> DocumentMask | None:
     """The packed documents of a batch with ``position_ids`` (they restart at each one), so
     attention never crosses a document boundary; None for a continuous stream."""
-    position_ids = batch.get("position_ids")
+    position_ids = batch.get(DOCUMENT_POSITIONS, batch.get("position_ids"))
     return None if position_ids is None else DocumentMask.from_position_ids(position_ids)
 
 

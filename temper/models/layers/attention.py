@@ -5,6 +5,8 @@
 ``DocumentMask``, through sdpa, flex or varlen.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -43,6 +45,8 @@ class Attention(nn.Module):
         no_norm = qk_norm_eps is None
         self.q_norm = nn.Identity() if no_norm else RMSNorm(head_dim, qk_norm_eps)
         self.k_norm = nn.Identity() if no_norm else RMSNorm(head_dim, qk_norm_eps)
+        # The attention core; sequence parallelism swaps in its all-to-all wrapper.
+        self.attend: Callable[..., torch.Tensor] = causal_attention
 
     def init_weights(self, std: float, out_std: float) -> None:
         """``out_std`` is for ``wo``, which writes into the residual stream."""
@@ -67,7 +71,7 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), cos, sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if cache is None:
-            out = causal_attention(q, k, v, docs, backend=backend)
+            out = self.attend(q, k, v, docs, backend=backend)
         else:
             out = cache.attend(q, k, v)
         return self.wo(out.reshape(b, s, -1))

@@ -1,5 +1,7 @@
 """Multi-head latent attention (DeepSeek V2/V3) on [batch, seq, heads, head_dim] tensors."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -61,6 +63,8 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+        # The attention core; sequence parallelism swaps in its all-to-all wrapper.
+        self.attend: Callable[..., torch.Tensor] = causal_attention
 
     def init_weights(self, std: float, out_std: float) -> None:
         """``out_std`` is for ``wo``, which writes into the residual stream."""
@@ -102,7 +106,7 @@ class MLA(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, self.n_heads, -1)), dim=-1)
         if cache is None:
-            out = causal_attention(q, k, v, docs, backend=backend, scale=self.softmax_scale)
+            out = self.attend(q, k, v, docs, backend=backend, scale=self.softmax_scale)
         else:
             out = cache.attend(q, k, v, scale=self.softmax_scale)
         return self.wo(out.flatten(2))

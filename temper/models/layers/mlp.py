@@ -1,9 +1,9 @@
 """SwiGLU feed-forward."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from temper.kernels.swiglu import swiglu
 from temper.models.layers.init import init_linear
 
 
@@ -23,4 +23,4 @@ class FeedForward(nn.Module):
         init_linear(self.w2, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))

@@ -11,13 +11,19 @@ auxiliary-loss-free balancing bias (``GroupLimitedRouter``, with optional shared
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from temper.kernels.grouped_gemm import grouped_mm
+from temper.kernels.moe_permute import permute as permute_rows
+from temper.kernels.moe_permute import unpermute
+from temper.kernels.swiglu import swiglu
 from temper.models.layers.init import init_linear
 from temper.models.layers.mlp import FeedForward
 
@@ -165,8 +171,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows of x [T, dim] sorted by expert; ``offsets`` [E] int32 cumulative group ends."""
-        h = F.silu(grouped_mm(x, self.w1.mT, offsets)) * grouped_mm(x, self.w3.mT, offsets)
-        return grouped_mm(h, self.w2.mT, offsets)
+        # Under expert parallelism the weights are DTensors sharded by expert; the rows sent
+        # here are for this rank's experts only, so the GEMMs take the local shard.
+        w1, w3, w2 = (
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2)
+        )
+        h = swiglu(grouped_mm(x, w1.mT, offsets), grouped_mm(x, w3.mT, offsets))
+        return grouped_mm(h, w2.mT, offsets)
 
 
 def permute(
@@ -178,7 +189,8 @@ def permute(
     each row, for ``unpermute``) and tokens per expert [E] (int64, no host sync).
     """
     order = experts.flatten().argsort(stable=True)
-    return x[order // experts.shape[1]], order, tokens_per_expert(experts, n_experts)
+    rows = permute_rows(x, order, experts.shape[1])
+    return rows, order, tokens_per_expert(experts, n_experts)
 
 
 def tokens_per_expert(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -188,15 +200,20 @@ def tokens_per_expert(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
-def unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Rows back to (token, slot) order, then each token's weighted sum over its k experts.
+class ExpertDispatcher(Protocol):
+    """Runs ``experts`` on rows sorted by expert, wherever the experts live: in this process
+    (`run_local`) or across an expert-parallel group (`temper.parallel.expert`)."""
 
-    A copy to unique positions and a sum over slots, rather than an atomic scatter-add, so the
-    result is bitwise repeatable on GPU.
-    """
-    n, k = weights.shape
-    y = y.new_empty(y.shape).index_copy(0, order, y)
-    return (y.view(n, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+    def __call__(
+        self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """rows [T, dim] sorted by expert, counts [E] tokens per expert -> outputs [T, dim]."""
+        ...
+
+
+def run_local(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Every expert is here: one grouped GEMM pass over all rows."""
+    return experts(rows, counts.cumsum(0, dtype=torch.int32))
 
 
 class MoE(nn.Module):
@@ -229,6 +246,7 @@ class MoE(nn.Module):
             FeedForward(dim, n_shared_experts * hidden_dim) if n_shared_experts else None
         )
         self.routing: RoutingStats | None = None
+        self.dispatcher: ExpertDispatcher = run_local
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.router.init_weights(std)
@@ -240,7 +258,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         probs, weights, experts = self.router(tokens)
         rows, order, counts = permute(tokens, experts, self.n_experts)
-        out = self.experts(rows, counts.cumsum(0, dtype=torch.int32))
+        out = self.dispatcher(self.experts, rows, counts)
         self.routing = RoutingStats(counts, probs.sum(dim=0), tokens.shape[0])
         out = unpermute(out, order, weights).view_as(x)
         if self.shared_experts is not None:
@@ -254,14 +272,28 @@ def load_balancing_loss(stats: list[RoutingStats]) -> torch.Tensor:
     ``E * sum_e f_e * P_e``, where f_e is expert e's share of top-k assignments (summing to k)
     and P_e its mean router probability, both pooled over the tokens of all MoE layers before
     the product (so not a mean of per-layer losses). Only P carries a gradient.
+
+    Under torch.distributed the statistics are summed over all ranks first (with autograd), so
+    every rank gets the loss of the gathered global batch, whatever the data/sequence layout.
     """
     counts = torch.stack([s.tokens_per_expert for s in stats]).sum(dim=0).float()
     prob_sum = torch.stack([s.prob_sum for s in stats]).sum(dim=0)
-    rows = sum(s.n_tokens for s in stats)
-    return counts.numel() * torch.sum((counts / rows) * (prob_sum / rows))
+    rows = torch.tensor([float(sum(s.n_tokens for s in stats))], device=prob_sum.device)
+    pooled = _sum_over_ranks(torch.cat([counts, rows, prob_sum]))
+    n = counts.numel()
+    counts, rows, prob_sum = pooled[:n], pooled[n], pooled[n + 1 :]
+    return n * torch.sum((counts / rows) * (prob_sum / rows))
 
 
 def load_imbalance(stats: list[RoutingStats]) -> torch.Tensor:
-    """Busiest expert's tokens over the mean tokens per expert, averaged over MoE layers."""
-    ratios = [s.tokens_per_expert.max() / s.tokens_per_expert.float().mean() for s in stats]
-    return torch.stack(ratios).mean()
+    """Busiest expert's tokens over the mean tokens per expert, averaged over MoE layers; the
+    counts are the global batch's (summed over ranks, as for the load-balancing loss)."""
+    counts = _sum_over_ranks(torch.stack([s.tokens_per_expert for s in stats]))
+    return (counts.max(dim=1).values / counts.float().mean(dim=1)).mean()
+
+
+def _sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks with autograd (the gradient is summed back); identity alone."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return funcol.all_reduce(value, "sum", dist.group.WORLD)
+    return value

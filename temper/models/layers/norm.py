@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from temper.kernels.norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     """RMSNorm that normalizes in fp32 and casts back before the weight, as HF Llama does.
@@ -20,6 +22,4 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

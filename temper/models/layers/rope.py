@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from temper.kernels.rope import apply_rope as rotate
+
 
 @dataclass
 class RopeScaling:
@@ -130,7 +132,4 @@ def apply_rope(
     """
     if interleaved:
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-    cos = cos.to(x.dtype).unsqueeze(2)
-    sin = sin.to(x.dtype).unsqueeze(2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return rotate(x, cos, sin)

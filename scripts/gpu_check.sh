@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (a few minutes): Triton kernel parity against the references
+# (fp32 and bf16), the tests with CUDA paths, per-op timings, then a short Temper-vs-transformers
+# benchmark in bf16. Logs go to $OUT (the device tool's folder) or /tmp/gpu_check. The machine has no
+# network: it uses its own python3 with this checkout on PYTHONPATH (TEMPER_PYTHON overrides).
+#
+#   bash scripts/gpu_check.sh            # everything
+#   BENCH=0 bash scripts/gpu_check.sh    # parity and tests only
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY="${TEMPER_PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOGS="${OUT:-/tmp/gpu_check}"
+mkdir -p "$LOGS"
+status=0
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOGS/gpu.txt"
+"$PY" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton",
+triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/gpu.txt"
+
+# Kernel parity (every Triton op vs its reference, forward and gradients), then the tests
+# whose fast paths only run on CUDA (grouped GEMM, flash varlen / flex attention).
+"$PY" -m pytest -q -p no:cacheprovider tests/unit/test_kernels_triton.py \
+  tests/unit/test_grouped_gemm.py tests/unit/test_attention.py 2>&1 | tee "$LOGS/tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+if [ "${BENCH:-1}" != 0 ]; then
+  # Each op's reference, compiled and Triton forms at Llama 3 8B shapes.
+  "$PY" -m bench.kernels --device cuda 2>&1 | tee "$LOGS/kernels.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # Llama 3 8B-shaped layers (4 of 32, full 128K vocabulary) and a Qwen3-30B-A3B-shaped MoE.
+  "$PY" -m bench.train_step --device cuda --dtype bfloat16 --batch 2 --seq-len 4096 --steps 5 \
+    --cases llama3-8b-4l,qwen3-moe-30b-a3b-4l 2>&1 | tee "$LOGS/bench.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+exit $status

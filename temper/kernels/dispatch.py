@@ -1,0 +1,166 @@
+"""Which implementation each fused op runs: the config switch, the device, and one fallback rule.
+
+Every op has a plain-PyTorch ``reference`` (what tests compare against), a ``compile`` form
+(``torch.compile`` of that reference: Inductor fuses the pointwise chain and recomputes it in
+backward, so it also saves fewer activations) and a ``triton`` form with hand-written forward
+and backward kernels (CUDA only). ``auto`` picks triton on CUDA when Triton is installed, compile
+on CPU (measured faster there, see docs/kernels.md), and the reference anywhere else. A choice
+that cannot run on the device falls back to the reference with a one-line notice.
+
+Until ``configure_kernels`` is called, every op runs its reference and the loss uses full
+logits: a library user or a test gets the plain math; a training run configures ``Kernels``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, ParamSpec, TypeVar, get_args
+
+import torch
+
+Impl = Literal["auto", "reference", "compile", "triton"]
+Op = Literal["cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute"]
+OPS: tuple[Op, ...] = get_args(Op)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass
+class Kernels:
+    """Fused-kernel choices of a run (``--kernels.*``)."""
+
+    fused_cross_entropy: bool = True
+    """LM head and loss in chunks of tokens with a recomputing backward, so the full
+    [tokens, vocab] logits and their gradient never exist; False computes full logits."""
+    cross_entropy_chunk: int = 0
+    """Tokens per chunk of the fused cross-entropy (memory grows with chunk x vocab); 0 picks
+    by device: 256 on CPU, where a chunk's logits add to the peak and smaller chunks measured
+    no slower, 2048 on CUDA, where fewer chunks mean fewer fp32 weight-gradient updates."""
+    cross_entropy: Impl = "auto"
+    """Softmax and gradient of each logits chunk: auto, reference, compile or triton (CUDA)."""
+    rmsnorm: Impl = "auto"
+    """RMSNorm (block norms, final norm, q/k norms)."""
+    swiglu: Impl = "auto"
+    """silu(gate) * up in the MLPs and experts."""
+    rope: Impl = "auto"
+    """Rotary embedding of q and k."""
+    moe_permute: Impl = "auto"
+    """Gathering tokens by expert and the weighted sum back (MoE)."""
+
+    def __post_init__(self) -> None:
+        if self.cross_entropy_chunk < 0:
+            raise ValueError(f"cross_entropy_chunk must be >= 0, got {self.cross_entropy_chunk}")
+        for op in OPS:
+            if getattr(self, op) not in get_args(Impl):
+                raise ValueError(f"kernels.{op} must be one of {get_args(Impl)}")
+
+    def chunk_tokens(self, device: torch.device) -> int:
+        """The fused cross-entropy's chunk on ``device``."""
+        if self.cross_entropy_chunk:
+            return self.cross_entropy_chunk
+        return 256 if device.type == "cpu" else 2048
+
+
+REFERENCE = Kernels(fused_cross_entropy=False, **dict.fromkeys(OPS, "reference"))
+"""Every op's plain-PyTorch reference and full logits: the state before configure_kernels."""
+
+_settings = REFERENCE
+_resolved: dict[tuple[Op, str], Impl] = {}
+
+
+def configure_kernels(kernels: Kernels, device: torch.device) -> None:
+    """Make ``kernels`` the process-wide choice and resolve it for ``device`` now, so any
+    fallback notice prints once at start-up rather than mid-step."""
+    global _settings
+    _settings = kernels
+    _resolved.clear()
+    for op in OPS:
+        implementation(op, device)
+
+
+def kernel_settings() -> Kernels:
+    """The process-wide choices (``REFERENCE`` until ``configure_kernels``)."""
+    return _settings
+
+
+def implementation(op: Op, device: torch.device) -> Impl:
+    """The concrete implementation of ``op`` for tensors on ``device``.
+
+    Inside a compiled region the reference runs: the surrounding compile fuses it anyway, and
+    a nested compiled or Triton call would only break its graph.
+    """
+    if torch.compiler.is_compiling():
+        return "reference"
+    key = (op, device.type)
+    if key not in _resolved:
+        _resolved[key] = _resolve(op, getattr(_settings, op), device)
+    return _resolved[key]
+
+
+def _resolve(op: Op, choice: Impl, device: torch.device) -> Impl:
+    if choice == "auto":
+        if device.type == "cuda" and unavailable("triton", device) is None:
+            return "triton"
+        if device.type == "cpu" and unavailable("compile", device) is None:
+            return "compile"
+        return "reference"
+    reason = unavailable(choice, device)
+    if reason is None:
+        return choice
+    print(f"temper: kernels.{op}={choice} cannot run ({reason}); using reference", file=sys.stderr)
+    return "reference"
+
+
+def unavailable(impl: Impl, device: torch.device) -> str | None:
+    """Why ``impl`` cannot run on ``device``, or None when it can."""
+    if impl == "triton":
+        if device.type != "cuda":
+            return f"Triton kernels run on CUDA, this is {device.type}"
+        if not triton_installed():
+            return "Triton is not installed"
+    if impl == "compile":
+        if device.type == "cpu" and not _cpp_compiler():
+            return "torch.compile on CPU needs a C++ compiler (g++ or clang++)"
+        if device.type == "cuda" and not triton_installed():
+            return "torch.compile on CUDA needs Triton"
+    return None
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _cpp_compiler() -> str | None:
+    return next(filter(None, map(shutil.which, (os.environ.get("CXX", "g++"), "clang++"))), None)
+
+
+def choose(
+    op: Op,
+    device: torch.device,
+    impl: Impl | None,
+    reference: Callable[P, R],
+    triton: Callable[[], Callable[P, R]],
+) -> Callable[P, R]:
+    """The function that runs ``op``: ``impl`` when given (tests pin one), else the resolved
+    choice. ``triton`` loads the Triton form on demand, so Triton is imported only when used."""
+    if impl in (None, "auto"):
+        impl = implementation(op, device)
+    if impl == "compile":
+        return compiled(reference)
+    if impl == "triton":
+        return triton()
+    return reference
+
+
+@functools.cache
+def compiled(fn: Callable[P, R]) -> Callable[P, R]:
+    """One compiled wrapper per reference function, shared by every caller."""
+    return torch.compile(fn)
