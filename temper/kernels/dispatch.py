@@ -36,8 +36,9 @@ class Kernels:
     """Fused-kernel choices of a run (``--kernels.*``)."""
 
     fused_cross_entropy: bool = True
-    """LM head and loss in chunks of tokens with a recomputing backward, so the full
-    [tokens, vocab] logits and their gradient never exist; False computes full logits."""
+    """LM head and loss in chunks of tokens, the gradient computed chunk by chunk with the
+    loss, so the full [tokens, vocab] logits and their gradient never exist; False computes
+    full logits."""
     cross_entropy_chunk: int = 0
     """Tokens per chunk of the fused cross-entropy (memory grows with chunk x vocab); 0 picks
     by device: 256 on CPU, where a chunk's logits add to the peak and smaller chunks measured

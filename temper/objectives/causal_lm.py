@@ -64,7 +64,7 @@ class CausalLM:
         labels = batch["labels"]
         args = (batch["input_ids"], batch.get("position_ids"), documents(batch))
         kernels = kernel_settings()
-        if kernels.fused_cross_entropy:
+        if kernels.fused_cross_entropy and _weight_only_head(model):
             hidden = model.hidden_states(*args)
             loss_sum, z_sum = linear_cross_entropy(
                 hidden,
@@ -87,6 +87,12 @@ class CausalLM:
             metrics["aux_loss"] = aux.item()
             metrics["moe_load_imbalance"] = model.load_imbalance().item()
         return loss_sum, n_tokens, metrics
+
+
+def _weight_only_head(model: nn.Module) -> bool:
+    """The head applies ``output.weight`` and nothing else (no bias, no LoRA adapters), which
+    the fused loss assumes; any other head computes full logits through its own forward."""
+    return [name for name, _ in model.output.named_parameters()] == ["weight"]
 
 
 def documents(batch: Batch) -> DocumentMask | None:

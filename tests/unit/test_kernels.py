@@ -218,7 +218,8 @@ def _loss_and_grads(
     loss_sum, n_tokens, metrics = CausalLM(z_loss_weight=1e-3).loss(model, batch)
     (loss_sum / n_tokens).backward()
     assert metrics["z_loss"] > 0
-    return loss_sum.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss_sum.detach(), grads
 
 
 def test_layers_and_objective_route_through_the_dispatcher(
@@ -277,3 +278,18 @@ def test_fused_loss_equals_plain_loss_within_1e5(z_loss_weight: float) -> None:
     torch.testing.assert_close(fused_z, z_sum.detach(), rtol=1e-6, atol=0)
     for got, expected in zip(fused_grads, plain_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_head_with_adapters_keeps_full_logits(restore_kernels: None) -> None:
+    """The fused loss reads only ``output.weight``; a LoRA head must go through its forward."""
+    from temper.models.lora import apply_lora
+
+    model, batch = _tiny_moe(), _packed_batch()
+    model.output.weight = torch.nn.Parameter(model.output.weight.detach().clone())  # untie
+    apply_lora(model, ["output"], rank=2, alpha=4.0)
+    for lora in (model.output.lora_a, model.output.lora_b):
+        torch.nn.init.normal_(lora, std=0.5)
+    plain_loss, _ = _loss_and_grads(model, batch)
+    configure_kernels(Kernels(), torch.device("cpu"))
+    fused_loss, _ = _loss_and_grads(model, batch)
+    assert abs(fused_loss - plain_loss) <= 1e-5 * abs(plain_loss)
