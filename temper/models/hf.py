@@ -279,3 +279,22 @@ def rope_to_hf(theta: float, scaling: RopeScaling | YarnScaling | None) -> dict[
             **fields,
         }
     }
+
+
+def decoder_config_to_hf(args: Any) -> dict[str, Any]:
+    """The config.json fields every Llama-style decoder (`layers.decoder.DecoderArgs`) shares."""
+    return {
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "intermediate_size": args.ffn_hidden_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": args.attention_bias,
+        **rope_to_hf(args.rope_theta, args.rope_scaling),
+    }

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from temper.models.hf import HFAdapter, KeyRule, rope_from_hf, rope_to_hf
+from temper.models.hf import HFAdapter, KeyRule, decoder_config_to_hf, rope_from_hf
 from temper.models.qwen3.args import Qwen3Args
 
 # Native name -> HF name within a block; "{}" is weight or bias.
@@ -64,20 +64,8 @@ def args_to_hf(args: Qwen3Args) -> dict[str, Any]:
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "intermediate_size": args.ffn_hidden_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": args.attention_bias,
+        **decoder_config_to_hf(args),
         "use_sliding_window": False,
-        **rope_to_hf(args.rope_theta, args.rope_scaling),
     }
 
 
