@@ -8,7 +8,8 @@ For each case one random HF model is saved to a temp folder; Temper loads it wit
 `load_hf`, `transformers` with `from_pretrained`, so both train from the same
 weights on the same batch with the same fused AdamW (bf16 runs use autocast on both
 sides, fp32 master weights). Temper trains as its trainer does: `configure_kernels` (the
-dispatcher's auto choices, or the references with `--kernels reference`) and the
+every op compiled on CPU, the dispatcher's auto choices (Triton) on CUDA, or the references
+with `--kernels reference`) and the
 `CausalLM` objective, so its loss is the fused linear cross-entropy. `transformers`
 computes full logits and `cross_entropy` on them, as its own loss does (plus the
 router's aux loss for MoE). Each side runs in a fresh process so its peak memory is
@@ -168,11 +169,16 @@ def measure(
     dev = torch.device(device)
     rss_before = _rss_gib()
     if side == "temper":
-        from temper.kernels.dispatch import REFERENCE, Kernels, configure_kernels
+        from temper.kernels.dispatch import OPS, REFERENCE, Kernels, configure_kernels
         from temper.models import load_hf
         from temper.objectives import CausalLM
 
-        configure_kernels(Kernels() if kernels == "auto" else REFERENCE, dev)
+        choices = {
+            "auto": Kernels(),
+            "compile": Kernels(**dict.fromkeys(OPS, "compile")),
+            "reference": REFERENCE,
+        }
+        configure_kernels(choices[kernels], dev)
         model = load_hf(folder, device=dev)
         if compile_blocks:
             from temper.parallel.compile import apply_compile
@@ -306,9 +312,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument(
         "--kernels",
-        choices=["auto", "reference"],
-        default="auto",
-        help="Temper's kernel choices: the dispatcher's auto, or every reference and full logits",
+        choices=["auto", "compile", "reference"],
+        default=None,
+        help="Temper's kernel choices: auto (Triton on CUDA), every op compiled (the CPU "
+        "default here), or every reference and full logits",
     )
     parser.add_argument(
         "--compile",
@@ -318,6 +325,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    args.kernels = args.kernels or ("auto" if device.type == "cuda" else "compile")
     names = args.cases.split(",") if args.cases else [
         name for name, case in CASES.items() if case.device == device.type
     ]  # fmt: skip

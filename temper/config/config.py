@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ConfigError(ValueError):
@@ -72,6 +75,9 @@ class Optimizer:
     eps: float = 1e-8
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not norms or biases)."""
+    offload_during_rollout: bool = False
+    """grpo: move the optimizer state to CPU while rollouts are sampled, freeing device
+    memory for the KV cache; it comes back before the next step."""
 
 
 @dataclass
@@ -94,9 +100,10 @@ class Data:
     """JSONL field holding a document's text."""
     tokenizer_path: str | None = None
     """tokenizer.json or a folder holding one; None = model.hf_path's, else the built-in."""
-    format: Literal["text", "sft", "preference"] = "text"
+    format: Literal["text", "sft", "preference", "prompt"] = "text"
     """text: pretraining documents; sft: JSONL with "messages" (chat); preference: JSONL with
-    "prompt", "chosen", "rejected" (DPO). path None = the built-in tasks of that format."""
+    "prompt", "chosen", "rejected" (DPO); prompt: JSONL with "prompt" and "answer" (GRPO).
+    path None = the built-in tasks of that format."""
     chat_template: str | None = None
     """sft/preference: a Jinja chat template file; None = the tokenizer folder's, else the
     built-in template of the built-in tokenizer."""
@@ -109,20 +116,41 @@ class Data:
     """sft/preference: a sample longer than training.seq_len + 1 tokens is cut or skipped;
     counts are logged as data_truncated / data_dropped."""
     builtin_examples: int = 4096
-    """sft/preference without a path: training examples drawn from the built-in tasks."""
+    """sft/preference/prompt without a path: training examples drawn from the built-in
+    tasks."""
 
 
 @dataclass
 class Objective:
     name: str = "causal_lm"
     """Training objective, as registered with `temper.objectives.register_objective`:
-    causal_lm (pretraining, SFT) or dpo."""
+    causal_lm (pretraining, SFT), dpo or grpo."""
     beta: float = 0.1
     """dpo: strength of the pull toward the reference (the KL coefficient)."""
     label_smoothing: float = 0.0
     """dpo sigmoid loss: assumed probability that a preference label is flipped."""
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """dpo: sigmoid (DPO) or ipo."""
+    group_size: int = 8
+    """grpo: completions sampled per prompt; advantages are normalized within the group."""
+    max_new_tokens: int = 32
+    """grpo: the longest completion; prompts get training.seq_len minus this."""
+    temperature: float = 1.0
+    """grpo: sampling temperature of the rollouts (0 is greedy)."""
+    top_k: int | None = None
+    """grpo: sample among the k most likely tokens; None = all."""
+    top_p: float = 1.0
+    """grpo: nucleus sampling mass; 1.0 = off."""
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """grpo: reward functions registered with `temper.objectives.register_reward`, summed."""
+    reward_weights: list[float] = field(default_factory=list)
+    """grpo: one weight per reward; empty = all 1."""
+    clip_eps: float = 0.2
+    """grpo: the importance ratio is clipped to [1 - eps, 1 + eps] (PPO)."""
+    kl_coef: float = 0.0
+    """grpo: weight of the k3 KL estimate to the reference model; 0 builds no reference."""
+    updates_per_rollout: int = 1
+    """grpo: optimizer steps taken on each rollout batch (the first one is on-policy)."""
 
 
 @dataclass
@@ -195,6 +223,50 @@ class Checkpoint:
     initial_load: str | None = None
     """A checkpoint folder whose model weights start a new run (when there is nothing to
     resume)."""
+    initial_recipe: str | None = None
+    """``module:function`` of a recipe to train first when initial_load is None; its final
+    checkpoint (under job.dump_folder/initial, reused once there) becomes initial_load."""
+
+
+Impl = Literal["auto", "reference", "compile", "triton"]
+Op = Literal["cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute"]
+
+
+@dataclass
+class Kernels:
+    """Fused-kernel choices of a run (``--kernels.*``)."""
+
+    fused_cross_entropy: bool = True
+    """LM head and loss in chunks of tokens, the gradient computed chunk by chunk with the
+    loss, so the full [tokens, vocab] logits and their gradient never exist; False computes
+    full logits."""
+    cross_entropy_chunk: int = 0
+    """Tokens per chunk of the fused cross-entropy (memory grows with chunk x vocab); 0 picks
+    by device: 256 on CPU, where a chunk's logits add to the peak and smaller chunks measured
+    no slower, 2048 on CUDA, where fewer chunks mean fewer fp32 weight-gradient updates."""
+    cross_entropy: Impl = "auto"
+    """Softmax and gradient of each logits chunk: auto, reference, compile or triton (CUDA)."""
+    rmsnorm: Impl = "auto"
+    """RMSNorm (block norms, final norm, q/k norms)."""
+    swiglu: Impl = "auto"
+    """silu(gate) * up in the MLPs and experts."""
+    rope: Impl = "auto"
+    """Rotary embedding of q and k."""
+    moe_permute: Impl = "auto"
+    """Gathering tokens by expert and the weighted sum back (MoE)."""
+
+    def __post_init__(self) -> None:
+        if self.cross_entropy_chunk < 0:
+            raise ValueError(f"cross_entropy_chunk must be >= 0, got {self.cross_entropy_chunk}")
+        for op in get_args(Op):
+            if getattr(self, op) not in get_args(Impl):
+                raise ValueError(f"kernels.{op} must be one of {get_args(Impl)}")
+
+    def chunk_tokens(self, device: torch.device) -> int:
+        """The fused cross-entropy's chunk on ``device``."""
+        if self.cross_entropy_chunk:
+            return self.cross_entropy_chunk
+        return 256 if device.type == "cpu" else 2048
 
 
 @dataclass
@@ -212,6 +284,7 @@ class Config:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    kernels: Kernels = field(default_factory=Kernels)
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError naming the first field that breaks a rule."""
@@ -397,13 +470,62 @@ def _check_posttrain(config: Config) -> None:
             f"objective.name {name!r} is not registered; choose one of "
             f"{', '.join(objective_names())}"
         )
-    if (name == "dpo") != (config.data.format == "preference"):
-        raise ConfigError(
-            f"objective.name {name!r} does not read data.format {config.data.format!r}: dpo "
-            "takes preference data, and preference data needs dpo"
-        )
+    for objective, data_format in (("dpo", "preference"), ("grpo", "prompt")):
+        if (name == objective) != (config.data.format == data_format):
+            raise ConfigError(
+                f"objective.name {name!r} does not read data.format {config.data.format!r}: "
+                f"{objective} takes {data_format} data, and {data_format} data needs {objective}"
+            )
     if name == "dpo" and config.parallelism.sp != 1:
         raise ConfigError("parallelism.sp must be 1 with objective.name 'dpo' (not supported yet)")
+    if name == "grpo":
+        _check_grpo(config)
     _check_positive(config, "objective.beta", "lora.rank", "lora.alpha", "data.builtin_examples")
     _check_range(config, "objective.label_smoothing", 0.0, 0.5)
     _check_range(config, "lora.dropout", 0.0, 1.0, right_open=True)
+
+
+def _check_grpo(config: Config) -> None:
+    """Rollouts fit the rows, groups can differ, every reward exists; SP and EP are refused:
+    decoding runs each rank on its own prompts, with no collective between tokens."""
+    from temper.objectives.rewards import reward_names
+
+    section = config.objective
+    for degree in ("sp", "ep"):
+        if getattr(config.parallelism, degree) != 1:
+            raise ConfigError(
+                f"parallelism.{degree} must be 1 with objective.name 'grpo': rollouts decode "
+                "each rank's prompts alone, without the per-token collectives it needs"
+            )
+    if section.group_size < 2:
+        raise ConfigError(
+            f"objective.group_size must be >= 2 (advantages compare a prompt's completions), "
+            f"got {section.group_size}"
+        )
+    _check_positive(config, "objective.max_new_tokens", "objective.updates_per_rollout")
+    if section.max_new_tokens >= config.training.seq_len:
+        raise ConfigError(
+            f"objective.max_new_tokens ({section.max_new_tokens}) must be below "
+            f"training.seq_len ({config.training.seq_len}): the prompt needs room"
+        )
+    if section.temperature < 0:
+        raise ConfigError(f"objective.temperature must be >= 0, got {section.temperature}")
+    _check_range(config, "objective.top_p", 0.0, 1.0)
+    if section.top_p == 0.0 or (section.top_k is not None and section.top_k < 1):
+        raise ConfigError("objective.top_p must be > 0 and objective.top_k >= 1 (or None)")
+    _check_range(config, "objective.clip_eps", 0.0, 1.0, right_open=True)
+    if section.kl_coef < 0:
+        raise ConfigError(f"objective.kl_coef must be >= 0, got {section.kl_coef}")
+    if not section.rewards:
+        raise ConfigError("objective.rewards must name at least one reward")
+    unknown = [r for r in section.rewards if r not in reward_names()]
+    if unknown:
+        raise ConfigError(
+            f"objective.rewards: {', '.join(map(repr, unknown))} not registered; choose from "
+            f"{', '.join(reward_names())} or register one with @register_reward"
+        )
+    if section.reward_weights and len(section.reward_weights) != len(section.rewards):
+        raise ConfigError(
+            f"objective.reward_weights has {len(section.reward_weights)} values for "
+            f"{len(section.rewards)} objective.rewards"
+        )

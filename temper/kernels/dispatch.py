@@ -3,8 +3,10 @@
 Every op has a plain-PyTorch ``reference`` (what tests compare against), a ``compile`` form
 (``torch.compile`` of that reference: Inductor fuses the pointwise chain and recomputes it in
 backward, so it also saves fewer activations) and a ``triton`` form with hand-written forward
-and backward kernels (CUDA only). ``auto`` picks triton on CUDA when Triton is installed, compile
-on CPU (measured faster there, see docs/kernels.md), and the reference anywhere else. A choice
+and backward kernels (CUDA only). ``auto`` picks triton on CUDA when Triton is installed and the
+reference anywhere else. On CPU ``compile`` is faster per step (docs/kernels.md) but costs
+seconds of compilation per op and shape in every new process, which dominates short runs and
+tests, so it is asked for by name. A choice
 that cannot run on the device falls back to the reference with a one-line notice.
 
 Until ``configure_kernels`` is called, every op runs its reference and the loss uses full
@@ -19,53 +21,15 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, ParamSpec, TypeVar, get_args
+from typing import ParamSpec, TypeVar, get_args
 
 import torch
 
-Impl = Literal["auto", "reference", "compile", "triton"]
-Op = Literal["cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute"]
+from temper.config.config import Impl, Kernels, Op
+
 OPS: tuple[Op, ...] = get_args(Op)
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-@dataclass
-class Kernels:
-    """Fused-kernel choices of a run (``--kernels.*``)."""
-
-    fused_cross_entropy: bool = True
-    """LM head and loss in chunks of tokens, the gradient computed chunk by chunk with the
-    loss, so the full [tokens, vocab] logits and their gradient never exist; False computes
-    full logits."""
-    cross_entropy_chunk: int = 0
-    """Tokens per chunk of the fused cross-entropy (memory grows with chunk x vocab); 0 picks
-    by device: 256 on CPU, where a chunk's logits add to the peak and smaller chunks measured
-    no slower, 2048 on CUDA, where fewer chunks mean fewer fp32 weight-gradient updates."""
-    cross_entropy: Impl = "auto"
-    """Softmax and gradient of each logits chunk: auto, reference, compile or triton (CUDA)."""
-    rmsnorm: Impl = "auto"
-    """RMSNorm (block norms, final norm, q/k norms)."""
-    swiglu: Impl = "auto"
-    """silu(gate) * up in the MLPs and experts."""
-    rope: Impl = "auto"
-    """Rotary embedding of q and k."""
-    moe_permute: Impl = "auto"
-    """Gathering tokens by expert and the weighted sum back (MoE)."""
-
-    def __post_init__(self) -> None:
-        if self.cross_entropy_chunk < 0:
-            raise ValueError(f"cross_entropy_chunk must be >= 0, got {self.cross_entropy_chunk}")
-        for op in OPS:
-            if getattr(self, op) not in get_args(Impl):
-                raise ValueError(f"kernels.{op} must be one of {get_args(Impl)}")
-
-    def chunk_tokens(self, device: torch.device) -> int:
-        """The fused cross-entropy's chunk on ``device``."""
-        if self.cross_entropy_chunk:
-            return self.cross_entropy_chunk
-        return 256 if device.type == "cpu" else 2048
 
 
 REFERENCE = Kernels(fused_cross_entropy=False, **dict.fromkeys(OPS, "reference"))
@@ -108,8 +72,6 @@ def _resolve(op: Op, choice: Impl, device: torch.device) -> Impl:
     if choice == "auto":
         if device.type == "cuda" and unavailable("triton", device) is None:
             return "triton"
-        if device.type == "cpu" and unavailable("compile", device) is None:
-            return "compile"
         return "reference"
     reason = unavailable(choice, device)
     if reason is None:

@@ -7,7 +7,12 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 ReshardPolicy = Literal["default", "always", "never"]
 
@@ -51,6 +56,8 @@ def apply_fsdp(
             reshard_after_forward=_reshard(reshard_after_forward, needed_next=True),
         )
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    # The fused loss calls `hidden_states` instead of forward: FSDP must gather around it too.
+    register_fsdp_forward_method(model, "hidden_states")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
