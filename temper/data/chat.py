@@ -123,6 +123,20 @@ def tokenize_chat(
     return ids, trains
 
 
+def stop_token_ids(tokenizer: Tokenizer, template: str) -> set[int]:
+    """The ids that end an assistant turn: EOS, and the first token the template writes after
+    an answer (``<|end|>``, ``<|im_end|>``, ``<|eot_id|>``...), so decoding stops there."""
+    question = [{"role": "user", "content": "1"}]
+    prompt = render_chat(template, question, add_generation_prompt=True)
+    answered = render_chat(template, [*question, {"role": "assistant", "content": "1"}])
+    stops = {tokenizer.eos_id}
+    if answered.startswith(prompt + "1"):
+        after = tokenizer.encode(answered[len(prompt) + 1 :])
+        if after:
+            stops.add(after[0])
+    return stops
+
+
 def check_messages(value: Any, where: str, field: str = "messages") -> list[Message]:
     """``value`` as a list of ``{"role", "content"}`` messages, or RecordError at ``where``."""
     if not isinstance(value, list) or not value:

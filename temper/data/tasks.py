@@ -15,6 +15,7 @@ from temper.config import Data
 from temper.data.chat import load_chat_template
 from temper.data.loader import BatchLoader
 from temper.data.preference import preference_dataset, read_preference_records
+from temper.data.prompts import PromptRecord, prompt_dataset, read_prompt_records
 from temper.data.sft import read_sft_records, sft_dataset
 from temper.data.synthetic import _copy, _sort
 from temper.data.tokenizer import Tokenizer
@@ -72,6 +73,15 @@ def preference_pairs(
     return pairs
 
 
+def task_prompts(seed: int, split: Split, count: int) -> list[PromptRecord]:
+    """``count`` (user message, reference answer) prompts of ``split``, for RL."""
+    prompts = []
+    for i in range(count):
+        question, answer = task_example(seed, _index(split, i))
+        prompts.append(([{"role": "user", "content": question}], answer))
+    return prompts
+
+
 def build_chat_loader(
     data: Data,
     tokenizer: Tokenizer,
@@ -83,8 +93,9 @@ def build_chat_loader(
     dp_world: int,
     tokenizer_folder: str | None,
 ) -> BatchLoader:
-    """The loader of an sft or preference run: the user's JSONL file, or the built-in tasks'
-    training split; the template comes from ``data.chat_template`` or the tokenizer folder."""
+    """The loader of an sft, preference or prompt run: the user's JSONL file, or the built-in
+    tasks' training split; the template comes from ``data.chat_template`` or the tokenizer
+    folder. Prompt rows are ``seq_len`` tokens wide: the room left for the prompt."""
     template = load_chat_template(data.chat_template, tokenizer_folder)
     common = dict(policy=data.max_length_policy, seed=seed, dp_rank=dp_rank, dp_world=dp_world)
     if data.format == "sft":
@@ -101,6 +112,15 @@ def build_chat_loader(
             train_on_prompt=data.train_on_prompt,
             pack=data.pack,
             **common,
+        )
+    elif data.format == "prompt":
+        records = (
+            read_prompt_records(data.path)
+            if data.path is not None
+            else task_prompts(seed, "train", data.builtin_examples)
+        )
+        dataset = prompt_dataset(
+            records, tokenizer, template, seq_len, seed=seed, dp_rank=dp_rank, dp_world=dp_world
         )
     else:
         pairs = (

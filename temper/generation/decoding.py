@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +26,17 @@ class Generation:
     """[b] int64: new tokens per row, its stop token included."""
     log_probs: torch.Tensor | None = None
     """[b, max_new_tokens] fp32 (when asked): each new token's log-probability under the
-    model's own distribution, at temperature 1 and without top-k/top-p, which is what the
-    trainer's forward gives the same tokens; 0 after a row's end."""
+    model's distribution at the sampling temperature (1 when greedy), without top-k/top-p:
+    what the trainer's forward gives the same tokens with its logits divided by that
+    temperature; 0 after a row's end."""
+
+    def texts(self, decode: Callable[[list[int]], str], stop_tokens: Collection[int]) -> list[str]:
+        """Each row's new tokens as text, without the stop token that ended it."""
+        texts = []
+        for row, n in zip(self.tokens.tolist(), self.lengths.tolist(), strict=True):
+            ids = row[:n]
+            texts.append(decode(ids[:-1] if ids and ids[-1] in stop_tokens else ids))
+        return texts
 
 
 @torch.no_grad()
@@ -76,7 +85,8 @@ def generate(
             token = sample_next(logits, temperature, top_k, top_p, generator)
             tokens[:, step] = token.masked_fill(done, pad_id)
             if log_probs is not None:
-                picked = logits.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
+                scaled = logits / temperature if temperature > 0 else logits
+                picked = scaled.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
                 log_probs[:, step] = picked.masked_fill(done, 0.0)
             stopped = ~done & torch.isin(token, stop)
             lengths = lengths.masked_fill(stopped, step + 1)

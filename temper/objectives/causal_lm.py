@@ -13,7 +13,11 @@ import torch
 from torch import nn
 
 from temper.kernels.attention import DocumentMask
-from temper.kernels.cross_entropy import linear_cross_entropy, log_probs_from_logits
+from temper.kernels.cross_entropy import (
+    linear_cross_entropy,
+    linear_log_probs,
+    log_probs_from_logits,
+)
 from temper.kernels.dispatch import kernel_settings
 
 IGNORE_INDEX = -100
@@ -87,6 +91,27 @@ class CausalLM:
             metrics["aux_loss"] = aux.item()
             metrics["moe_load_imbalance"] = model.load_imbalance().item()
         return loss_sum, n_tokens, metrics
+
+
+def label_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    document_mask: DocumentMask | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-token log p(label) [b, s] in fp32, 0 where the label is ignored: the quantity DPO
+    and GRPO build on, with the logits divided by ``temperature`` (GRPO's sampling one).
+    Chunked through the head (no full logits) when the fused cross-entropy is on, as in
+    `CausalLM`; from full logits otherwise."""
+    kernels = kernel_settings()
+    if kernels.fused_cross_entropy and _weight_only_head(model):
+        hidden = model.hidden_states(input_ids, position_ids, document_mask) / temperature
+        chunk = kernels.chunk_tokens(hidden.device)
+        return linear_log_probs(hidden, model.output.weight, labels, chunk)[0]
+    logits = model(input_ids, position_ids, document_mask) / temperature
+    return log_probs_from_logits(logits, labels)[0]
 
 
 def _weight_only_head(model: nn.Module) -> bool:

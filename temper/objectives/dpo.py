@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from temper.kernels.cross_entropy import log_probs_from_logits
-from temper.objectives.causal_lm import Batch
+from temper.objectives.causal_lm import Batch, label_log_probs
 
 LossType = Literal["sigmoid", "ipo"]
 
@@ -32,8 +31,7 @@ def sequence_log_probs(
     model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
 ) -> torch.Tensor:
     """Sum over each row of the log-probabilities of its labels (ignored ones count 0)."""
-    log_probs, _ = log_probs_from_logits(model(input_ids), labels)
-    return log_probs.sum(dim=-1)
+    return label_log_probs(model, input_ids, labels).sum(dim=-1)
 
 
 def preference_loss(

@@ -12,9 +12,13 @@ from collections.abc import Callable
 from torch import nn
 
 from temper.config import Config
+from temper.data.chat import load_chat_template, stop_token_ids
+from temper.data.tokenizer import load_tokenizer
 from temper.models.lora import adapters_disabled
 from temper.objectives.causal_lm import CausalLM, Objective
 from temper.objectives.dpo import DPO
+from temper.objectives.grpo import GRPO
+from temper.objectives.rewards import exact_match, get_reward
 
 Builder = Callable[[Config, Callable[[], nn.Module]], Objective]
 
@@ -50,15 +54,48 @@ def _causal_lm(config: Config, build_reference: Callable[[], nn.Module]) -> Obje
     return CausalLM()
 
 
+def _reference(
+    config: Config, build_reference: Callable[[], nn.Module]
+) -> dict[str, nn.Module | Callable | None]:
+    """With LoRA the base weights never change: the policy with adapters off is the reference;
+    otherwise a frozen copy."""
+    lora = config.lora.enable
+    return {
+        "reference": None if lora else build_reference(),
+        "reference_mode": adapters_disabled if lora else None,
+    }
+
+
 @register_objective("dpo")
 def _dpo(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
     section = config.objective
-    # With LoRA the base weights never change: the policy with adapters off is the reference.
-    lora = config.lora.enable
     return DPO(
         beta=section.beta,
         label_smoothing=section.label_smoothing,
         loss_type=section.loss_type,
-        reference=None if lora else build_reference(),
-        reference_mode=adapters_disabled if lora else None,
+        **_reference(config, build_reference),
+    )
+
+
+@register_objective("grpo")
+def _grpo(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
+    section = config.objective
+    folder = config.data.tokenizer_path or config.model.hf_path
+    tokenizer = load_tokenizer(folder)
+    template = load_chat_template(config.data.chat_template, folder)
+    return GRPO(
+        tokenizer=tokenizer,
+        stop_tokens=stop_token_ids(tokenizer, template),
+        rewards={name: get_reward(name) for name in section.rewards},
+        reward_weights=section.reward_weights or [1.0] * len(section.rewards),
+        group_size=section.group_size,
+        max_new_tokens=section.max_new_tokens,
+        temperature=section.temperature,
+        top_k=section.top_k,
+        top_p=section.top_p,
+        clip_eps=section.clip_eps,
+        kl_coef=section.kl_coef,
+        updates_per_rollout=section.updates_per_rollout,
+        accuracy=exact_match,
+        **(_reference(config, build_reference) if section.kl_coef else {}),
     )

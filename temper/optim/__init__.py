@@ -1,6 +1,13 @@
 """Optimizers and learning-rate schedules."""
 
 from temper.optim.lr_schedule import build_lr_scheduler, lr_factor
+from temper.optim.offload import OptimizerOffload, OptimizerOffloadedError
 from temper.optim.optimizer import build_optimizer
 
-__all__ = ["build_lr_scheduler", "build_optimizer", "lr_factor"]
+__all__ = [
+    "OptimizerOffload",
+    "OptimizerOffloadedError",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "lr_factor",
+]

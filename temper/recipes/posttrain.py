@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from temper.config import (
+    Checkpoint,
     Config,
     Data,
     Job,
@@ -26,11 +27,12 @@ from temper.config import (
     Optimizer,
     Training,
 )
-from temper.data.chat import BUILTIN_TEMPLATE
+from temper.data.chat import BUILTIN_TEMPLATE, render_chat, stop_token_ids
 from temper.data.loader import BatchLoader
 from temper.data.preference import preference_dataset
 from temper.data.sft import sft_dataset
-from temper.data.tasks import preference_pairs, sft_conversations
+from temper.data.tasks import preference_pairs, sft_conversations, task_prompts
+from temper.generation.evaluate import exact_match_accuracy
 from temper.kernels.cross_entropy import IGNORE_INDEX
 from temper.objectives.dpo import sequence_log_probs
 
@@ -65,6 +67,43 @@ def dpo_debug() -> Config:
         objective=Objective(name="dpo", beta=0.1),
         lora=LoRA(enable=True, rank=8, alpha=16.0),
     )
+
+
+def grpo_debug() -> Config:
+    """GRPO on the built-in copy/sort prompts, rewarded by exact match, from an sft_debug
+    model: ``--checkpoint.initial_load`` names its checkpoint; without one the run trains
+    sft_debug first (into <dump_folder>/initial), so it works on a fresh checkout."""
+    return Config(
+        job=Job(dump_folder="./outputs/grpo_debug"),
+        model=Model(name="llama3", flavor="debug"),
+        training=Training(steps=30, seq_len=48, local_batch_size=8),
+        optimizer=Optimizer(lr=5e-4, weight_decay=0.0),
+        lr_scheduler=LRScheduler(warmup_steps=0, decay="linear", min_lr_ratio=0.5),
+        data=Data(format="prompt"),
+        objective=Objective(name="grpo", group_size=8, max_new_tokens=16),
+        checkpoint=Checkpoint(initial_recipe="temper.recipes.posttrain:sft_debug"),
+    )
+
+
+@torch.no_grad()
+def greedy_scores(trainer: Trainer, count: int = EVAL_EXAMPLES) -> dict[str, float]:
+    """Held-out exact match of the greedy answers to the built-in tasks' prompts."""
+    config = trainer.config
+    template = BUILTIN_TEMPLATE
+    records = task_prompts(config.training.seed, "eval", count)
+    prompts = [
+        trainer.tokenizer.encode(render_chat(template, messages, add_generation_prompt=True))
+        for messages, _ in records
+    ]
+    accuracy = exact_match_accuracy(
+        trainer.model,
+        prompts,
+        [answer for _, answer in records],
+        trainer.tokenizer.decode,
+        max_new_tokens=config.objective.max_new_tokens,
+        stop_tokens=stop_token_ids(trainer.tokenizer, template),
+    )
+    return {"exact_match": accuracy}
 
 
 @torch.no_grad()
@@ -136,7 +175,9 @@ def main(argv: list[str]) -> None:
     from temper.trainer.trainer import Trainer
 
     trainer = Trainer(load_config("temper.recipes.posttrain", argv[0], argv[1:]))
-    score = sft_scores if trainer.config.objective.name == "causal_lm" else dpo_reward_scores
+    score = {"causal_lm": sft_scores, "dpo": dpo_reward_scores, "grpo": greedy_scores}[
+        trainer.config.objective.name
+    ]
     before = score(trainer)
     trainer.train()
     after = score(trainer)

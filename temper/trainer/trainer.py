@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from temper.config import Config, ConfigError, save_config
+from temper.checkpoint.manager import checkpoint_dir
+from temper.config import Config, ConfigError, load_config, save_config
 from temper.data import BatchLoader, Tokenizer, build_text_loader, load_tokenizer
 from temper.data.tasks import build_chat_loader
+from temper.kernels.dispatch import configure_kernels
 from temper.models import build_hf_model, build_model, materialize
 from temper.models.lora import apply_lora, init_lora
 from temper.objectives import Objective, build_objective
 from temper.objectives.causal_lm import Batch
-from temper.optim import build_lr_scheduler, build_optimizer
+from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from temper.parallel.collectives import all_reduce_sum
 from temper.parallel.dims import ParallelDims
 from temper.parallel.grad_norm import clip_grad_norm_
@@ -38,10 +43,13 @@ class Trainer:
         self.config = config
         self.runtime = runtime or init_runtime()
         config.validate(self.runtime.world_size)
+        if config.checkpoint.initial_load is None and config.checkpoint.initial_recipe:
+            config.checkpoint.initial_load = train_initial_checkpoint(config, self.runtime)
         self.dims = ParallelDims.from_config(config.parallelism, self.runtime.world_size)
         self.device = self.runtime.device
         self.dtype = resolve_dtype(config.training.dtype, self.device)
         seed_everything(config.training.seed, config.training.deterministic)
+        configure_kernels(config.kernels, self.device)
 
         self.tokenizer = load_tokenizer(config.data.tokenizer_path or config.model.hf_path)
         model = build_meta_model(config)
@@ -64,6 +72,7 @@ class Trainer:
         self.model.attn_backend = config.model.attn
         self.objective: Objective = build_objective(config, self._build_reference)
         self.optimizer = build_optimizer(self.model, config.optimizer)
+        self._offload = OptimizerOffload(self.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.lr_scheduler, config.training.steps
         )
@@ -74,6 +83,7 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
+        self._rollout: tuple[list[Batch], dict[str, float]] | None = None
         self.checkpointer = TrainCheckpointer(config)
         self.checkpointer.restore(self)
         self.start_step = self.step
@@ -106,8 +116,8 @@ class Trainer:
         self.model.train()
         try:
             while self.step < config.training.steps:
-                micro_batches = [self._to_device(next(batches)) for _ in range(self.grad_accum)]
-                metrics = self.train_step(micro_batches)
+                micro_batches, rollout_metrics = self._next_batches(batches)
+                metrics = self.train_step(micro_batches) | rollout_metrics
                 last = self.step == config.training.steps
                 self.checkpointer.maybe_save(self, last=last)
                 if self.step % config.metrics.log_freq == 0 or last:
@@ -124,6 +134,7 @@ class Trainer:
         whole step across ranks, so the gradients equal those of one big batch. With sequence
         parallelism each rank first takes its slice of every micro-batch, and counts only it.
         """
+        self._offload.check("step")
         if self.sequence_parallel is not None:
             micro_batches = [self.sequence_parallel.shard(mb) for mb in micro_batches]
         local_tokens = sum(self.objective.count(mb) for mb in micro_batches)
@@ -164,6 +175,55 @@ class Trainer:
             extra[f"data_{name}"] = float(value)
         return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, **extra}
 
+    def offload_optimizer(self) -> None:
+        """Move the optimizer state to CPU (freeing device memory) until `restore_optimizer`.
+
+        Call at a step boundary on every rank; calling it twice does nothing more. Stepping
+        or saving a checkpoint meanwhile raises `OptimizerOffloadedError`.
+        """
+        self._offload.offload()
+
+    def restore_optimizer(self) -> None:
+        """Bring the optimizer state back to the parameters' device; idempotent."""
+        self._offload.restore()
+
+    def _next_batches(self, batches: Iterator[Batch]) -> tuple[list[Batch], dict[str, float]]:
+        """The next step's micro-batches, and the metrics of their rollout if any.
+
+        An objective with ``prepare`` (RL) turns each micro-batch of prompts into a rollout
+        every ``updates_per_rollout`` steps and trains on that rollout until the next one.
+        The sampler of micro-batch ``j`` on data rank ``r`` is seeded by (seed, step,
+        ``r * grad_accum + j``), so one process accumulating micro-batches draws what the
+        data-parallel ranks draw.
+        """
+        prepare = getattr(self.objective, "prepare", None)
+        if prepare is None:
+            return [self._to_device(next(batches)) for _ in range(self.grad_accum)], {}
+        if self._rollout is None or self.step % self.objective.updates_per_rollout == 0:
+            prompts = [self._to_device(next(batches)) for _ in range(self.grad_accum)]
+            first = self.dims.data_rank(self.runtime.rank) * self.grad_accum
+            offload = self.config.optimizer.offload_during_rollout
+            if offload:
+                self.offload_optimizer()
+            try:
+                results = [
+                    prepare(self.model, mb, self._sampler(first + j))
+                    for j, mb in enumerate(prompts)
+                ]
+            finally:
+                if offload:
+                    self.restore_optimizer()
+            metrics = {
+                name: sum(m[name] for _, m in results) / len(results) for name in results[0][1]
+            }
+            self._rollout = [batch for batch, _ in results], metrics
+        return self._rollout
+
+    def _sampler(self, index: int) -> torch.Generator:
+        key = f"{self.config.training.seed}:{self.step}:{index}".encode()
+        seed = int.from_bytes(hashlib.sha256(key).digest()[:7], "little")
+        return torch.Generator(self.device).manual_seed(seed)
+
     def _build_reference(self) -> nn.Module:
         """A frozen copy of the policy's starting weights, built and sharded like it: the same
         seed's init or `model.hf_path`, then `checkpoint.initial_load`'s weights if given."""
@@ -190,6 +250,28 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
 
+def train_initial_checkpoint(config: Config, runtime: Runtime) -> str:
+    """Train `checkpoint.initial_recipe` (``module:function``) into
+    ``<dump_folder>/initial`` and return its final checkpoint, the run's starting weights. A
+    finished earlier run is reused, so a restarted run does not train it again."""
+    module, _, function = config.checkpoint.initial_recipe.partition(":")
+    first = load_config(module, function, [])
+    first.job.dump_folder = str(Path(config.job.dump_folder) / "initial")
+    first.checkpoint.enable = True
+    first.metrics.tensorboard = config.metrics.tensorboard
+    final = checkpoint_dir(
+        Path(first.job.dump_folder) / first.checkpoint.folder, first.training.steps
+    )
+    if not final.is_dir():
+        if runtime.is_main:
+            print(
+                f"temper: no checkpoint.initial_load; training {module}:{function} first",
+                flush=True,
+            )
+        Trainer(first, runtime).train()
+    return str(final)
+
+
 def build_meta_model(config: Config) -> nn.Module:
     """The run's architecture on meta: from `model.hf_path`'s config.json, else the flavor."""
     if config.model.hf_path is not None:
@@ -198,7 +280,8 @@ def build_meta_model(config: Config) -> nn.Module:
 
 
 def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int) -> BatchLoader:
-    """Batches of this rank for `data.format`: packed text, or chat (sft, preference) data."""
+    """Batches of this rank for `data.format`: packed text, or chat (sft, preference, prompt)
+    data."""
     training = config.training
     if config.data.format == "text":
         return build_text_loader(
@@ -211,10 +294,12 @@ def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: i
             dp_rank=dp_rank,
             dp_world=dp_world,
         )
+    # Prompts for rollouts leave room for the completion.
+    completion = config.objective.max_new_tokens if config.data.format == "prompt" else 0
     return build_chat_loader(
         config.data,
         tokenizer,
-        training.seq_len,
+        training.seq_len - completion,
         training.local_batch_size,
         seed=training.seed,
         dp_rank=dp_rank,

@@ -56,10 +56,15 @@ def greedy_alone(model: nn.Module, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-def trainer_log_probs(model: nn.Module, prompts: list[list[int]], completions: list[list[int]]):
+def trainer_log_probs(
+    model: nn.Module,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    temperature: float = 1.0,
+):
     """Each completion token's log-probability as the trainer computes it: all sequences
     packed in one row (positions restart per document), hidden states, then the LM head's
-    log-softmax on completion labels only."""
+    log-softmax, at ``temperature``, on completion labels only."""
     ids, positions, labels = [], [], []
     for prompt, completion in zip(prompts, completions, strict=True):
         seq = prompt + completion
@@ -69,7 +74,9 @@ def trainer_log_probs(model: nn.Module, prompts: list[list[int]], completions: l
     batch = {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([positions])}
     with torch.no_grad():
         hidden = model.hidden_states(batch["input_ids"], batch["position_ids"], documents(batch))
-        log_probs, _ = linear_log_probs(hidden, model.output.weight, torch.tensor([labels]))
+        log_probs, _ = linear_log_probs(
+            hidden / temperature, model.output.weight, torch.tensor([labels])
+        )
     return log_probs[0][torch.tensor(labels) != IGNORE_INDEX]
 
 
@@ -84,14 +91,14 @@ def test_cached_batched_greedy_equals_each_prompt_decoded_alone(family: str) -> 
 
 @pytest.mark.parametrize("family", list(TINY))
 def test_sampled_log_probs_equal_the_trainer_forward(family: str) -> None:
-    """Sampled with temperature, top-k and top-p, but the log-probabilities are the model's
-    own (temperature 1, unfiltered): what the trainer computes for the same tokens."""
+    """Sampled with temperature, top-k and top-p; the log-probabilities are those of the
+    tempered, unfiltered distribution: what the trainer computes for the same tokens."""
     model = tiny_model(family)
     gen = torch.Generator().manual_seed(1)
     out = generate(
         model, PROMPTS, NEW, 0.9, top_k=40, top_p=0.9, generator=gen, return_log_probs=True
     )
-    expected = trainer_log_probs(model, PROMPTS, out.tokens.tolist())
+    expected = trainer_log_probs(model, PROMPTS, out.tokens.tolist(), temperature=0.9)
     torch.testing.assert_close(out.log_probs.flatten(), expected, rtol=0, atol=1e-5)
 
 

@@ -1,0 +1,258 @@
+"""Group Relative Policy Optimization (Shao et al., 2024): PPO's clipped objective with the
+value baseline replaced by the mean reward of a group of completions of the same prompt.
+
+A rollout (``prepare``) samples ``group_size`` completions per prompt with the training
+model itself, scores them with the rewards, and turns the rewards into advantages
+``A = (r - mean_group) / (std_group + eps)``. It also records the policy's log-probabilities
+of the sampled tokens with a trainer forward (``old``), and the reference's when a KL term is
+on. Per completion token, with ``ratio = exp(logp - old)``:
+
+    loss = -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) + kl_coef * k3
+    k3   = exp(ref - logp) - (ref - logp) - 1     (Schulman's low-variance KL estimate)
+
+The loss is summed over completion tokens and ``count`` is their number, so the trainer's
+division averages over every token of the step (DAPO's token-level normalization: long
+completions weigh by their length, not as one sample each). The same rollout serves
+``updates_per_rollout`` optimizer steps; the first is on-policy (ratio 1), later ones are
+held near the sampling policy by the clip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from temper.data.prompts import decode_answer
+from temper.data.tokenizer import Tokenizer
+from temper.generation import generate
+from temper.kernels.cross_entropy import IGNORE_INDEX, log_probs_from_logits
+from temper.objectives.causal_lm import Batch, label_log_probs
+from temper.objectives.rewards import Reward
+
+ADVANTAGE_EPS = 1e-4
+"""Added to a group's reward std: a group whose rewards all agree gets advantage 0."""
+
+LOGITS_BUDGET = 2**28
+"""fp32 logits elements per no-grad forward chunk of a rollout (1 GiB)."""
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """rewards [prompts * group_size], grouped consecutively -> advantages of the same shape:
+    each reward minus its group's mean, over the group's (unbiased) standard deviation."""
+    groups = rewards.view(-1, group_size)
+    mean = groups.mean(dim=1, keepdim=True)
+    std = groups.std(dim=1, keepdim=True)
+    return ((groups - mean) / (std + ADVANTAGE_EPS)).view(-1)
+
+
+def clipped_token_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss [b, s] for per-row advantages [b], and where the clip decided it
+    (the clipped term was smaller, so the token gives no gradient)."""
+    ratio = torch.exp(log_probs - old_log_probs)
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens; >= 0."""
+    delta = ref_log_probs - log_probs
+    return torch.exp(delta) - delta - 1
+
+
+class GRPO:
+    """GRPO with rollouts from the policy itself (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Tokenizer,
+        stop_tokens: set[int],
+        rewards: dict[str, Reward],
+        reward_weights: Sequence[float],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float,
+        clip_eps: float,
+        kl_coef: float,
+        updates_per_rollout: int,
+        accuracy: Reward,
+        reference: nn.Module | None = None,
+        reference_mode: Callable[[nn.Module], contextlib.AbstractContextManager[None]]
+        | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop_tokens = stop_tokens
+        self.rewards = rewards
+        self.reward_weights = list(reward_weights)
+        self.group_size = group_size
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        # The policy trained is the one sampled: logits over the temperature (greedy: 1).
+        self.loss_temperature = temperature if temperature > 0 else 1.0
+        self.top_k = top_k
+        self.top_p = top_p
+        self.clip_eps = clip_eps
+        self.kl_coef = kl_coef
+        self.updates_per_rollout = updates_per_rollout
+        self.accuracy = accuracy
+        self.reference = reference
+        self.reference_mode = reference_mode
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        """Completion tokens: the unit the loss is averaged over."""
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    @torch.no_grad()
+    def prepare(
+        self, model: nn.Module, prompts: Batch, generator: torch.Generator
+    ) -> tuple[Batch, dict[str, float]]:
+        """Sample, score and log-prob one micro-batch of prompts; returns the training rows
+        (``input_ids``, ``labels``, ``old_log_probs``, ``advantages``, maybe
+        ``ref_log_probs``) and the rollout's metrics."""
+        mask = prompts["prompt_mask"]
+        rows = [ids[m] for ids, m in zip(prompts["prompt_ids"], mask, strict=True)]
+        rows = [row for row in rows for _ in range(self.group_size)]
+        was_training = model.training
+        model.eval()
+        out = generate(
+            model,
+            rows,
+            self.max_new_tokens,
+            self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            stop_tokens=self.stop_tokens,
+            generator=generator,
+            return_log_probs=True,
+        )
+        model.train(was_training)
+
+        width = prompts["prompt_ids"].shape[1] + self.max_new_tokens
+        input_ids, labels = _training_rows(rows, out.tokens, out.lengths, width)
+        old, entropy = _log_probs_and_entropy(model, input_ids, labels, self.loss_temperature)
+        completion = labels != IGNORE_INDEX
+        sampler = torch.zeros_like(old)
+        sampler[completion] = out.log_probs[_completion_mask(out.lengths, self.max_new_tokens)]
+
+        answers = [decode_answer(a) for a in prompts["answer_ids"]]
+        texts = out.texts(self.tokenizer.decode, self.stop_tokens)
+        scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, answers)
+        rewards = scores["reward"]
+        batch = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "old_log_probs": old,
+            "advantages": group_advantages(rewards, self.group_size).to(input_ids.device),
+        }
+        if self.kl_coef:
+            batch["ref_log_probs"] = self._reference_log_probs(model, input_ids, labels)
+        n_tokens = completion.sum().clamp(min=1)
+        metrics = {name: v.mean().item() for name, v in scores.items() if name != "reward"}
+        metrics |= {
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean().item(),
+            "response_length": out.lengths.float().mean().item(),
+            "entropy": (entropy[completion].sum() / n_tokens).item(),
+            "logprob_diff_max": (sampler - old)[completion].abs().max().item(),
+        }
+        return batch, metrics
+
+    def loss(
+        self, model: nn.Module, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        labels = batch["labels"]
+        completion = labels != IGNORE_INDEX
+        log_probs = label_log_probs(
+            model, batch["input_ids"], labels, temperature=self.loss_temperature
+        )
+        per_token, clipped = clipped_token_loss(
+            log_probs, batch["old_log_probs"], batch["advantages"], self.clip_eps
+        )
+        n_tokens = completion.sum().clamp(min=1)
+        metrics = {"clip_fraction": (clipped & completion).sum().item() / n_tokens.item()}
+        if self.kl_coef:
+            kl = k3_kl(log_probs, batch["ref_log_probs"])
+            per_token = per_token + self.kl_coef * kl
+            metrics["kl"] = (kl.detach()[completion].sum() / n_tokens).item()
+        return per_token[completion].sum(), self.count(batch), metrics
+
+    def _score(
+        self, prompts: list[str], completions: list[str], answers: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Per completion (on CPU): the weighted reward sum, each reward, and exact-match
+        accuracy."""
+        per_reward = torch.zeros(len(self.rewards), len(completions))
+        accuracy = torch.zeros(len(completions))
+        for i, (prompt, text) in enumerate(zip(prompts, completions, strict=True)):
+            answer = answers[i // self.group_size]
+            for k, reward in enumerate(self.rewards.values()):
+                per_reward[k, i] = reward(prompt, text, answer)
+            accuracy[i] = self.accuracy(prompt, text, answer)
+        weights = torch.tensor(self.reward_weights)
+        scores = {"reward": weights @ per_reward}
+        if len(self.rewards) > 1:
+            scores |= {
+                f"reward_{name}": row for name, row in zip(self.rewards, per_reward, strict=True)
+            }
+        return scores | {"accuracy": accuracy}
+
+    def _reference_log_probs(
+        self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        if self.reference is not None:
+            return _log_probs_and_entropy(self.reference, input_ids, labels, self.loss_temperature)[
+                0
+            ]
+        with self.reference_mode(model):
+            return _log_probs_and_entropy(model, input_ids, labels, self.loss_temperature)[0]
+
+
+def _completion_mask(lengths: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """[b, max_new_tokens]: the new tokens each row really produced (its stop token too)."""
+    return torch.arange(max_new_tokens, device=lengths.device) < lengths[:, None]
+
+
+def _training_rows(
+    prompts: list[torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt + completion as right-padded rows [b, width] of inputs and next-token labels
+    that train on the completion only. Padding (id 0) follows the real tokens: it is never a
+    label, and causal attention keeps it from every real token."""
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=tokens.device)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths.tolist(), strict=True)):
+        ids = torch.cat([prompt.to(tokens.device), tokens[i, :n]])
+        p = prompt.numel()
+        input_ids[i, : ids.numel() - 1] = ids[:-1]
+        labels[i, p - 1 : ids.numel() - 1] = ids[p:]
+    return input_ids, labels
+
+
+@torch.no_grad()
+def _log_probs_and_entropy(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's per-token log p(label) and the policy's entropy at each position, both
+    [b, s] fp32, from full logits at ``temperature`` computed a few rows at a time."""
+    vocab = model.args.vocab_size
+    step = max(1, LOGITS_BUDGET // (input_ids.shape[1] * vocab))
+    log_probs, entropy = [], []
+    for rows in range(0, input_ids.shape[0], step):
+        logits = model(input_ids[rows : rows + step]).float() / temperature
+        picked, lse = log_probs_from_logits(logits, labels[rows : rows + step])
+        probs = torch.softmax(logits, dim=-1)
+        log_probs.append(picked)
+        entropy.append(lse - (probs * logits).sum(dim=-1))
+    return torch.cat(log_probs), torch.cat(entropy)

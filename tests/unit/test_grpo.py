@@ -1,0 +1,203 @@
+"""GRPO against hand computations: advantages, the clipped loss and KL, rows built from a
+rollout, rewards, prompt records, and a rollout whose recorded log-probabilities are the
+trainer's."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from temper.config import Config, ConfigError, Data, Objective, Training
+from temper.data.chat import BUILTIN_TEMPLATE, RecordError, stop_token_ids
+from temper.data.prompts import decode_answer, prompt_dataset, read_prompt_records
+from temper.data.tokenizer import load_tokenizer
+from temper.kernels.cross_entropy import IGNORE_INDEX
+from temper.models import build_model, materialize
+from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.grpo import (
+    ADVANTAGE_EPS,
+    GRPO,
+    _training_rows,
+    clipped_token_loss,
+    group_advantages,
+    k3_kl,
+)
+from temper.objectives.rewards import exact_match, item_match, list_format, register_reward
+
+
+def test_group_advantages_by_hand() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    got = group_advantages(rewards, group_size=4)
+    std = math.sqrt((0.75**2 + 3 * 0.25**2) / 3)  # unbiased, mean 0.25
+    want = [0.75 / (std + ADVANTAGE_EPS)] + [-0.25 / (std + ADVANTAGE_EPS)] * 3 + [0.0] * 4
+    torch.testing.assert_close(got, torch.tensor(want))
+
+
+def test_clipped_loss_and_k3_by_hand() -> None:
+    old = torch.zeros(2, 3)
+    new = torch.log(torch.tensor([[1.0, 1.5, 0.5], [1.0, 1.5, 0.5]]))
+    adv = torch.tensor([2.0, -1.0])
+    loss, clipped = clipped_token_loss(new, old, adv, clip_eps=0.2)
+    # A > 0: min(r A, clip(r) A) caps r at 1.2; A < 0: it floors r at 0.8.
+    want = torch.tensor([[-2.0, -2.4, -1.0], [1.0, 1.5, 0.8]])
+    torch.testing.assert_close(loss, want)
+    assert clipped.tolist() == [[False, True, False], [False, False, True]]
+    ref = torch.log(torch.tensor([[2.0, 1.5, 0.25]]))
+    x = torch.tensor([[2.0, 1.0, 0.5]])  # ref / new
+    torch.testing.assert_close(k3_kl(new[:1], ref), x - torch.log(x) - 1)
+
+
+def test_training_rows_train_on_the_completion_and_its_stop_token() -> None:
+    prompts = [torch.tensor([7, 8, 9]), torch.tensor([4])]
+    tokens = torch.tensor([[20, 21, 5, 0], [30, 31, 32, 33]])  # row 0 stopped on 5
+    lengths = torch.tensor([3, 4])
+    ids, labels = _training_rows(prompts, tokens, lengths, width=7)
+    assert ids.tolist() == [[7, 8, 9, 20, 21, 0, 0], [4, 30, 31, 32, 0, 0, 0]]
+    ig = IGNORE_INDEX
+    assert labels.tolist() == [[ig, ig, 20, 21, 5, ig, ig], [30, 31, 32, 33, ig, ig, ig]]
+
+
+def test_builtin_rewards_by_hand() -> None:
+    assert exact_match("", " a b c ", "a b c") == 1.0
+    assert exact_match("", "a b", "a b c") == 0.0
+    assert list_format("", "x y z", "a b c") == 1.0
+    assert list_format("", "x y", "a b c") == 0.0
+    assert list_format("", "xy z", "ab c") == 0.0
+    assert item_match("", "1 2 9", "1 2 3") == pytest.approx(2 / 3)
+    assert item_match("", "1 2 3 4", "1 2 3") == pytest.approx(3 / 4)
+    assert item_match("", "", "1 2") == 0.0
+
+
+def test_a_registered_reward_is_a_config_choice_and_an_unknown_one_fails() -> None:
+    @register_reward("test_grpo_always_one")
+    def always_one(prompt: str, completion: str, answer: str) -> float:
+        return 1.0
+
+    def config(rewards: list[str]) -> Config:
+        return Config(
+            training=Training(seq_len=48),
+            data=Data(format="prompt"),
+            objective=Objective(name="grpo", rewards=rewards, max_new_tokens=16),
+        )
+
+    config(["test_grpo_always_one", "exact_match"]).validate(1)
+    with pytest.raises(ConfigError, match="objective.rewards: 'nope' not registered"):
+        config(["nope"]).validate(1)
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("test_grpo_always_one")(always_one)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"objective": Objective(name="grpo", group_size=1)}, "objective.group_size must be >= 2"),
+        (
+            {"objective": Objective(name="grpo", max_new_tokens=64)},
+            r"objective.max_new_tokens \(64\) must be below training.seq_len \(64\)",
+        ),
+        ({"data": Data(format="sft")}, "objective.name 'grpo' does not read data.format 'sft'"),
+    ],
+)
+def test_bad_grpo_settings_fail_by_field(change: dict, message: str) -> None:
+    fields = {
+        "training": Training(seq_len=64),
+        "data": Data(format="prompt"),
+        "objective": Objective(name="grpo"),
+    }
+    with pytest.raises(ConfigError, match=message):
+        Config(**(fields | change)).validate(1)
+
+
+def test_prompt_records_rows_and_errors(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        {"prompt": "sort: 3 1 2", "answer": "1 2 3"},
+        {"prompt": [{"role": "user", "content": "copy: é"}], "answer": "é"},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    records = read_prompt_records(str(path))
+    tokenizer = load_tokenizer(None)
+    stream = iter(prompt_dataset(records, tokenizer, BUILTIN_TEMPLATE, width=24))
+    rows = [next(stream) for _ in range(2)]
+    answers = sorted(decode_answer(row["answer_ids"]) for row in rows)
+    assert answers == ["1 2 3", "é"]
+    for row in rows:
+        real = row["prompt_ids"][row["prompt_mask"]].tolist()
+        assert row["prompt_mask"][-len(real) :].all()  # left-padded: prompts end together
+        assert tokenizer.decode(real).endswith("<|assistant|>\n")
+    path.write_text('{"prompt": "x"}\n{"answer": "y"}\n')
+    with pytest.raises(RecordError, match=f"{path}:2: record has no field 'prompt'"):
+        read_prompt_records(str(path))
+    path.write_text('{"prompt": "x", "answer": 3}\n')
+    with pytest.raises(RecordError, match=f"{path}:1: 'answer' must be a string"):
+        read_prompt_records(str(path))
+
+
+def _objective(**overrides: object) -> GRPO:
+    tokenizer = load_tokenizer(None)
+    settings = dict(
+        tokenizer=tokenizer,
+        stop_tokens=stop_token_ids(tokenizer, BUILTIN_TEMPLATE),
+        rewards={"exact_match": exact_match, "item_match": item_match},
+        reward_weights=[1.0, 0.5],
+        group_size=4,
+        max_new_tokens=8,
+        temperature=1.0,
+        top_k=None,
+        top_p=1.0,
+        clip_eps=0.2,
+        kl_coef=0.0,
+        updates_per_rollout=1,
+        accuracy=exact_match,
+    )
+    return GRPO(**(settings | overrides))
+
+
+def _prompts() -> dict[str, torch.Tensor]:
+    tokenizer = load_tokenizer(None)
+    records = [
+        ([{"role": "user", "content": "sort: 3 1 2"}], "1 2 3"),
+        ([{"role": "user", "content": "copy: a b"}], "a b"),
+    ]
+    rows = iter(prompt_dataset(records, tokenizer, BUILTIN_TEMPLATE, width=20))
+    batch = [next(rows) for _ in range(2)]
+    return {key: torch.stack([row[key] for row in batch]) for key in batch[0]}
+
+
+def test_rollout_records_the_trainers_log_probs_and_the_loss_is_the_formula() -> None:
+    torch.manual_seed(0)
+    model = materialize(build_model("llama3", "debug"), torch.device("cpu"))
+    objective = _objective()
+    batch, metrics = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
+    # The sampler's log-probabilities are the trainer forward's (fp32).
+    assert metrics["logprob_diff_max"] < 1e-5
+    completion = batch["labels"] != IGNORE_INDEX
+    assert int(completion.sum()) > 0 and batch["input_ids"].shape == (8, 28)
+    log_probs = label_log_probs(model, batch["input_ids"], batch["labels"])
+    torch.testing.assert_close(log_probs, batch["old_log_probs"], rtol=0, atol=1e-5)
+    assert batch["advantages"].view(2, 4).sum(1).abs().max() < 1e-5  # centered per group
+    # A random model earns no reward; the loss is checked on advantages of both signs.
+    batch["advantages"] = torch.linspace(-1.0, 1.0, 8)
+
+    # On-policy the ratio is 1: the loss is minus each token's row advantage.
+    loss, count, step_metrics = objective.loss(model, batch)
+    want = -(batch["advantages"][:, None] * completion).sum()
+    assert count == completion.sum()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-4, abs=1e-5)
+    assert step_metrics["clip_fraction"] == 0.0
+
+    # Off-policy: old log-probs lowered by 0.5 make ratio e^0.5 > 1.2, clipped where A > 0.
+    shifted = batch | {"old_log_probs": batch["old_log_probs"] - 0.5}
+    loss, _, step_metrics = objective.loss(model, shifted)
+    adv = batch["advantages"][:, None].expand_as(completion)
+    ratio = torch.exp(log_probs.detach() - shifted["old_log_probs"])
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    assert loss.item() == pytest.approx(per_token[completion].sum().item(), rel=1e-4)
+    positive = (adv > 0) & completion
+    assert step_metrics["clip_fraction"] == pytest.approx(
+        positive.sum().item() / completion.sum().item()
+    )
