@@ -17,12 +17,9 @@ from pathlib import Path
 
 import torch
 
-from temper.checkpoint.convert import load_checkpoint_model
-from temper.checkpoint.metadata import read_metadata
-from temper.data.tokenizer import load_tokenizer
+from temper.checkpoint.convert import load_for_inference
 from temper.generation import generate
 from temper.generation.sampling import check_sampling
-from temper.models import load_hf
 from temper.utils.device import resolve_dtype
 
 
@@ -47,17 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if args.hf is not None:
-        model = load_hf(args.hf, dtype=dtype, device=device)
-        tokenizer = load_tokenizer(str(args.hf))
-    else:
-        model = load_checkpoint_model(args.checkpoint).to(device=device, dtype=dtype)
-        tokenizer = load_tokenizer(read_metadata(args.checkpoint).get("tokenizer"))
-    if tokenizer.vocab_size > model.args.vocab_size:
-        parser.error(
-            f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
-            f"{model.args.vocab_size}: they do not belong together"
-        )
+    try:
+        model, tokenizer = load_for_inference(args.hf, args.checkpoint, device, dtype)
+    except ValueError as err:
+        parser.error(str(err))
     out = generate(
         model,
         [tokenizer.encode(prompt) for prompt in args.prompt],

@@ -30,7 +30,7 @@ from temper.checkpoint.metadata import (
     read_metadata,
     run_structure,
 )
-from temper.data.tokenizer import load_tokenizer
+from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.models import get_model_spec, load_hf, materialize, save_hf
 from temper.models.lora import apply_lora, merge_lora
 
@@ -80,6 +80,25 @@ def load_checkpoint_model(checkpoint: Path) -> nn.Module:
     manager.load(checkpoint, {"model": get_model_state_dict(model)})
     # LoRA is merged on export: the HF folder holds plain weights W + scale * B A.
     return merge_lora(model) if lora else model
+
+
+def load_for_inference(
+    hf: Path | None, checkpoint: Path | None, device: torch.device, dtype: torch.dtype
+) -> tuple[nn.Module, Tokenizer]:
+    """A model and its tokenizer from an HF folder or a checkpoint (whose ``temper.json``
+    names the tokenizer; the built-in one when it names none), refusing a mismatched pair."""
+    if hf is not None:
+        model = load_hf(hf, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(str(hf))
+    else:
+        model = load_checkpoint_model(checkpoint).to(device=device, dtype=dtype)
+        tokenizer = load_tokenizer(read_metadata(checkpoint).get("tokenizer"))
+    if tokenizer.vocab_size > model.args.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
+            f"{model.args.vocab_size}: they do not belong together"
+        )
+    return model, tokenizer
 
 
 def dcp_to_hf(checkpoint: Path, output: Path, dtype: str | None = None) -> None:

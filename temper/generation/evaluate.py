@@ -1,5 +1,5 @@
-"""Exact-match accuracy by greedy decoding: what a model answers, not what it would predict
-with the answer in front of it."""
+"""Greedy answers for evaluation: what a model answers, not what it would predict with the
+answer in front of it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 from temper.generation.decoding import generate
 
 
+@torch.no_grad()
 def greedy_answers(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -33,27 +34,3 @@ def greedy_answers(
     finally:
         model.train(was_training)
     return texts
-
-
-@torch.no_grad()
-def exact_match_accuracy(
-    model: nn.Module,
-    prompts: Sequence[Sequence[int]],
-    answers: Sequence[str],
-    decode: Callable[[list[int]], str],
-    *,
-    max_new_tokens: int,
-    stop_tokens: Collection[int],
-    batch_size: int = 64,
-) -> float:
-    """The fraction of prompts whose greedy completion is the answer (outer whitespace aside)."""
-    texts = greedy_answers(
-        model,
-        prompts,
-        decode,
-        max_new_tokens=max_new_tokens,
-        stop_tokens=stop_tokens,
-        batch_size=batch_size,
-    )
-    hits = sum(t.strip() == a.strip() for t, a in zip(texts, answers, strict=True))
-    return hits / len(answers)

@@ -1,4 +1,5 @@
-"""Sums over all ranks of values the loop needs whole: token counts, the step's loss."""
+"""Reductions over all ranks of values the loop needs whole: token counts, the step's loss,
+rollout metrics."""
 
 from __future__ import annotations
 
@@ -12,3 +13,19 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+def combine_metrics(parts: list[dict[str, float]], device: torch.device) -> dict[str, float]:
+    """One value per name over every part on every rank: the mean, or the maximum for names
+    ending in ``_max``. Every rank must pass parts with the same names."""
+    names = sorted(parts[0])
+    peak = torch.tensor([max(p[n] for p in parts) for n in names], device=device)
+    total = torch.tensor([sum(p[n] for p in parts) for n in names], device=device)
+    count = len(parts)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        count *= dist.get_world_size()
+    return {
+        n: (peak[i] if n.endswith("_max") else total[i] / count).item() for i, n in enumerate(names)
+    }

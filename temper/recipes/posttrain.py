@@ -32,9 +32,10 @@ from temper.data.loader import BatchLoader
 from temper.data.preference import preference_dataset
 from temper.data.sft import sft_dataset
 from temper.data.tasks import preference_pairs, sft_conversations, task_prompts
-from temper.generation.evaluate import exact_match_accuracy
+from temper.generation.evaluate import greedy_answers
 from temper.kernels.cross_entropy import IGNORE_INDEX
 from temper.objectives.dpo import sequence_log_probs
+from temper.objectives.rewards import exact_match
 
 if TYPE_CHECKING:
     from temper.trainer.trainer import Trainer
@@ -95,15 +96,15 @@ def greedy_scores(trainer: Trainer, count: int = EVAL_EXAMPLES) -> dict[str, flo
         trainer.tokenizer.encode(render_chat(template, messages, add_generation_prompt=True))
         for messages, _ in records
     ]
-    accuracy = exact_match_accuracy(
+    answers = greedy_answers(
         trainer.model,
         prompts,
-        [answer for _, answer in records],
         trainer.tokenizer.decode,
         max_new_tokens=config.objective.max_new_tokens,
         stop_tokens=stop_token_ids(trainer.tokenizer, template),
     )
-    return {"exact_match": accuracy}
+    hits = [exact_match("", got, want) for got, (_, want) in zip(answers, records, strict=True)]
+    return {"exact_match": sum(hits) / len(hits)}
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from temper.models.lora import apply_lora, init_lora
 from temper.objectives import Objective, build_objective
 from temper.objectives.causal_lm import Batch
 from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
-from temper.parallel.collectives import all_reduce_sum
+from temper.parallel.collectives import all_reduce_sum, combine_metrics
 from temper.parallel.dims import ParallelDims
 from temper.parallel.grad_norm import clip_grad_norm_
 from temper.parallel.parallelize import parallelize_decoder
@@ -140,14 +140,15 @@ class Trainer:
         local_tokens = sum(self.objective.count(mb) for mb in micro_batches)
         global_tokens = all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
         loss_sum = torch.zeros((), device=self.device)
-        extra: dict[str, float] = {}
+        parts: list[dict[str, float]] = []
         for batch in micro_batches:
             with self._autocast():
                 micro_loss, _, micro_metrics = self.objective.loss(self.model, batch)
             (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach().float()
-            for name, value in micro_metrics.items():
-                extra[name] = extra.get(name, 0.0) + value / len(micro_batches)
+            parts.append(micro_metrics)
+        # The objective's metrics of the whole step: every micro-batch on every rank.
+        extra = combine_metrics(parts, self.device) if parts[0] else {}
         max_norm = self.config.training.max_norm or math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         loss = all_reduce_sum(loss_sum) / global_tokens
@@ -188,7 +189,8 @@ class Trainer:
         self._offload.restore()
 
     def _next_batches(self, batches: Iterator[Batch]) -> tuple[list[Batch], dict[str, float]]:
-        """The next step's micro-batches, and the metrics of their rollout if any.
+        """The next step's micro-batches, and the metrics of their rollout (over all ranks)
+        if any.
 
         An objective with ``prepare`` (RL) turns each micro-batch of prompts into a rollout
         every ``updates_per_rollout`` steps and trains on that rollout until the next one.
@@ -213,9 +215,7 @@ class Trainer:
             finally:
                 if offload:
                     self.restore_optimizer()
-            metrics = {
-                name: sum(m[name] for _, m in results) / len(results) for name in results[0][1]
-            }
+            metrics = combine_metrics([m for _, m in results], self.device)
             self._rollout = [batch for batch, _ in results], metrics
         return self._rollout
 
