@@ -139,8 +139,7 @@ class GRPO:
         )
         model.train(was_training)
 
-        width = prompts["prompt_ids"].shape[1] + self.max_new_tokens
-        input_ids, labels = _training_rows(rows, out.tokens, out.lengths, width)
+        input_ids, labels = _training_rows(rows, out.tokens, out.lengths)
         old, entropy = _log_probs_and_entropy(model, input_ids, labels, self.loss_temperature)
         completion = labels != IGNORE_INDEX
         sampler = torch.zeros_like(old)
@@ -225,11 +224,13 @@ def _completion_mask(lengths: torch.Tensor, max_new_tokens: int) -> torch.Tensor
 
 
 def _training_rows(
-    prompts: list[torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor, width: int
+    prompts: list[torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt + completion as right-padded rows [b, width] of inputs and next-token labels
-    that train on the completion only. Padding (id 0) follows the real tokens: it is never a
-    label, and causal attention keeps it from every real token."""
+    """Prompt + completion as right-padded rows of inputs and next-token labels that train
+    on the completion only, as wide as the longest row needs (its last token is only a
+    label). Padding (id 0) follows the real tokens: it is never a label, and causal
+    attention keeps it from every real token."""
+    width = max(p.numel() + n for p, n in zip(prompts, lengths.tolist(), strict=True)) - 1
     input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=tokens.device)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     for i, (prompt, n) in enumerate(zip(prompts, lengths.tolist(), strict=True)):
