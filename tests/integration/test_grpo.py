@@ -1,6 +1,6 @@
 """A short GRPO run raises the reward it is trained on, measured on held-out prompts with the
-same sampler seed before and after; and grpo_debug's config chain (the SFT starting point
-trained first when no checkpoint is given) resolves to that checkpoint."""
+same sampler seed before and after; and a run without initial_load trains its
+initial_recipe first, once, and starts from that checkpoint's weights."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from temper.config import load_config
+from temper.checkpoint.convert import load_checkpoint_model
+from temper.config import Config, load_config
 from temper.data.chat import BUILTIN_TEMPLATE
 from temper.data.loader import BatchLoader
 from temper.data.prompts import prompt_dataset
 from temper.data.tasks import task_prompts
 from temper.objectives import register_reward
+from temper.recipes.posttrain import sft_debug
 from temper.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -56,3 +58,27 @@ def test_a_short_grpo_run_raises_the_held_out_reward(tmp_path: Path) -> None:
     assert after > before + 0.2, (before, after)  # measured: 0.45 -> 0.89
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(row["logprob_diff_max"] < 1e-4 for row in rows)
+
+
+def tiny_sft() -> Config:
+    """sft_debug cut to 2 steps: a starting recipe for the chain below."""
+    config = sft_debug()
+    config.training.steps, config.training.seq_len = 2, 32
+    return config
+
+
+def test_initial_recipe_trains_the_start_once_and_loads_it(tmp_path: Path) -> None:
+    argv = [
+        "--job.dump_folder", str(tmp_path), "--metrics.no_tensorboard",
+        "--checkpoint.initial_recipe", f"{__name__}:tiny_sft",
+    ]  # fmt: skip
+    trainer = Trainer(load_config("temper.recipes.posttrain", "grpo_debug", argv))
+    start = tmp_path / "initial" / "checkpoints" / "step-2"
+    assert trainer.config.checkpoint.initial_load == str(start)
+    saved = load_checkpoint_model(start).state_dict()
+    for name, value in trainer.model.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+    stamp = (start / "temper.json").stat().st_mtime_ns
+    again = Trainer(load_config("temper.recipes.posttrain", "grpo_debug", argv))
+    assert again.config.checkpoint.initial_load == str(start)
+    assert (start / "temper.json").stat().st_mtime_ns == stamp  # reused, not retrained
