@@ -224,8 +224,9 @@ class Checkpoint:
     """A checkpoint folder whose model weights start a new run (when there is nothing to
     resume)."""
     initial_recipe: str | None = None
-    """``module:function`` of a recipe to train first when initial_load is None; its final
-    checkpoint (under job.dump_folder/initial, reused once there) becomes initial_load."""
+    """``module:function`` of a recipe, then any of its overrides (``--training.steps 90``),
+    to train first when initial_load is None; its final checkpoint (under
+    job.dump_folder/initial, reused once there) becomes initial_load."""
 
 
 Impl = Literal["auto", "reference", "compile", "triton"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -251,11 +252,12 @@ class Trainer:
 
 
 def train_initial_checkpoint(config: Config, runtime: Runtime) -> str:
-    """Train `checkpoint.initial_recipe` (``module:function``) into
+    """Train `checkpoint.initial_recipe` (``module:function``, then any overrides) into
     ``<dump_folder>/initial`` and return its final checkpoint, the run's starting weights. A
     finished earlier run is reused, so a restarted run does not train it again."""
-    module, _, function = config.checkpoint.initial_recipe.partition(":")
-    first = load_config(module, function, [])
+    recipe, *overrides = shlex.split(config.checkpoint.initial_recipe)
+    module, _, function = recipe.partition(":")
+    first = load_config(module, function, overrides)
     first.job.dump_folder = str(Path(config.job.dump_folder) / "initial")
     first.checkpoint.enable = True
     first.metrics.tensorboard = config.metrics.tensorboard

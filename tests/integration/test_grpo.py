@@ -70,10 +70,10 @@ def tiny_sft() -> Config:
 def test_initial_recipe_trains_the_start_once_and_loads_it(tmp_path: Path) -> None:
     argv = [
         "--job.dump_folder", str(tmp_path), "--metrics.no_tensorboard",
-        "--checkpoint.initial_recipe", f"{__name__}:tiny_sft",
+        "--checkpoint.initial_recipe", f"{__name__}:tiny_sft --training.steps 3",
     ]  # fmt: skip
     trainer = Trainer(load_config("temper.recipes.posttrain", "grpo_debug", argv))
-    start = tmp_path / "initial" / "checkpoints" / "step-2"
+    start = tmp_path / "initial" / "checkpoints" / "step-3"  # the override applied
     assert trainer.config.checkpoint.initial_load == str(start)
     saved = load_checkpoint_model(start).state_dict()
     for name, value in trainer.model.state_dict().items():
