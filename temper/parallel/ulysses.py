@@ -133,7 +133,14 @@ class SequenceParallel:
         attend = UlyssesAttention(self.group)
         for block in model.layers:
             block.attention.attend = attend
-        model.register_forward_pre_hook(self._note_valid, with_kwargs=True)
+        # Noted around hidden_states, which forward calls and the fused loss calls alone.
+        hidden_states = model.hidden_states
+
+        def noting_valid(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self._note_valid(args, kwargs)
+            return hidden_states(*args, **kwargs)
+
+        model.hidden_states = noting_valid
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             routed: dict[str, torch.Tensor] = {}
             moe.router.register_forward_hook(lambda _m, _a, out, r=routed: r.update(out=out))
@@ -141,8 +148,8 @@ class SequenceParallel:
                 lambda m, _a, _o, r=routed: setattr(m, "routing", self._routing(m, *r["out"]))
             )
 
-    def _note_valid(self, _model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Remember which of this forward's tokens are real (not padding), for the MoE hooks."""
+    def _note_valid(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Remember which of this call's tokens are real (not padding), for the MoE hooks."""
         positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
         self._valid = None if positions is None else (positions != PAD_POSITION).flatten()
 

@@ -6,13 +6,20 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     load_balancing_loss_func,
 )
 
+from temper.kernels.grouped_gemm import grouped_mm_fast
+from temper.kernels.moe_permute import unpermute
+from temper.models.layers import moe as moe_module
 from temper.models.layers.moe import (
+    GroupedExperts,
+    GroupLimitedRouting,
     MoE,
     RoutingStats,
     TopKRouter,
     load_balancing_loss,
     load_imbalance,
     permute,
+    run_local,
+    update_expert_bias,
 )
 
 DIM, HIDDEN, EXPERTS = 16, 12, 6
@@ -78,6 +85,82 @@ def test_permute_groups_rows_by_expert_and_counts_them() -> None:
     # Expert 0 gets tokens 0, 1, 3, 4 in token order; then expert 1: 1, 2, 4; expert 2: 0, 2, 3.
     assert rows.flatten().tolist() == [0, 1, 3, 4, 1, 2, 4, 0, 2, 3]
     assert torch.equal(experts.flatten()[order], torch.tensor([0] * 4 + [1] * 3 + [2] * 3))
+
+
+@pytest.mark.parametrize("kernel", ["dispatcher", "torch._grouped_mm"])
+def test_permute_grouped_gemm_unpermute_equal_a_loop_over_experts_with_empty_ones(
+    kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random routing that never picks experts 0, 3 and 7 (first, middle, last): the grouped
+    path's output and every gradient equal a per-expert loop, and the idle experts' weights get
+    exactly zero gradient (a grouped kernel could leave their rows unwritten)."""
+    n, n_experts, top_k, empty = 40, 8, 2, [0, 3, 7]
+    dtype = torch.float64
+    if kernel == "torch._grouped_mm":
+        if not hasattr(torch, "_grouped_mm"):
+            pytest.skip("no torch._grouped_mm")
+        monkeypatch.setattr(moe_module, "grouped_mm", grouped_mm_fast)
+        dtype = torch.float32  # its CPU kernel's dtypes
+    gen = torch.Generator().manual_seed(0)
+    used = torch.tensor([e for e in range(n_experts) if e not in empty])
+    experts = used[torch.rand(n, len(used), generator=gen).argsort(-1)[:, :top_k]]
+    weights = torch.rand(n, top_k, generator=gen, dtype=dtype).requires_grad_()
+    x = torch.randn(n, DIM, generator=gen, dtype=dtype).requires_grad_()
+    torch.manual_seed(0)
+    grouped = GroupedExperts(DIM, HIDDEN, n_experts).to(dtype)
+    grouped.init_weights(std=0.5, out_std=0.5)
+
+    rows, order, counts = permute(x, experts, n_experts)
+    assert counts[empty].tolist() == [0, 0, 0] and bool((counts[used] > 0).all())
+    out = unpermute(run_local(grouped, rows, counts), order, weights)
+
+    w1, w2, w3 = grouped.w1, grouped.w2, grouped.w3
+    expected = torch.zeros_like(x)
+    for e in range(n_experts):
+        token, slot = (experts == e).nonzero(as_tuple=True)
+        h = torch.nn.functional.silu(x[token] @ w1[e].T) * (x[token] @ w3[e].T)
+        expected = expected.index_add(0, token, weights[token, slot, None] * (h @ w2[e].T))
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(out, expected, **tol)
+
+    params = [x, weights, w1, w2, w3]
+    cotangent = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, params, cotangent)
+    for got, want in zip(got_grads, torch.autograd.grad(expected, params, cotangent), strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    for grad in got_grads[2:]:
+        assert bool((grad[empty] == 0).all()) and bool((grad[used] != 0).any())
+
+
+def test_expert_bias_moves_a_skewed_router_toward_balance() -> None:
+    """DeepSeek V3's aux-loss-free balancing on a router that sends most tokens to experts 0-2:
+    after training forwards and bias updates the same tokens spread far more evenly, and only
+    the overloaded experts' biases went down."""
+    n_experts, top_k = 16, 4
+    torch.manual_seed(0)
+    routing = GroupLimitedRouting(n_groups=4, topk_group=2, scaling_factor=1.0)
+    moe = MoE(DIM, HIDDEN, n_experts, top_k, norm_topk_prob=True, group_limited=routing)
+    moe.init_weights(std=0.5, out_std=0.5)
+    with torch.no_grad():  # every token carries feature 0, which experts 0-2 weigh highly
+        moe.router.gate.weight[:, 0] = 0.0
+        moe.router.gate.weight[:3, 0] = 3.0
+    x = torch.randn(256, DIM)
+    x[:, 0] = 1.0
+
+    def imbalance() -> float:
+        with torch.no_grad():  # not a training step: the router does not count it
+            moe(x)
+        return load_imbalance([moe.routing]).item()
+
+    before = imbalance()
+    assert before > 3.0  # of at most n_experts / top_k = 4
+    for _ in range(20):
+        moe(x)  # training mode with autograd: counts the load
+        update_expert_bias([moe.router], rate=0.02)
+    after = imbalance()
+    assert after < 0.5 * before, (before, after)
+    bias = moe.router.expert_bias
+    assert bool((bias[:3] < 0).all()) and bool((bias[3:] > 0).all()), bias
 
 
 def test_moe_records_routing_stats() -> None:
