@@ -31,10 +31,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """One matmul per group; runs on any device and dtype (reads ``offsets`` on the host)."""
+    """One matmul per group; runs on any device and dtype (reads ``offsets`` on the host).
+
+    ``split`` and ``unbind`` rather than slicing and indexing: their backward concatenates
+    the pieces' gradients once, where each slice or index would add a zero tensor the size
+    of all rows (all experts) per group (measured 9x slower at 64 experts on CPU)."""
     ends = offsets.tolist()
-    starts = [0, *ends[:-1]]
-    return torch.cat([x[s:e] @ w[g] for g, (s, e) in enumerate(zip(starts, ends, strict=True))])
+    sizes = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+    rows = x[: ends[-1]].split(sizes)
+    return torch.cat([r @ wg for r, wg in zip(rows, w.unbind(0), strict=True)])
 
 
 def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
