@@ -49,7 +49,7 @@ def test_a_short_grpo_run_raises_the_held_out_reward(tmp_path: Path) -> None:
         "--training.steps", "8", "--training.seq_len", "40",
         "--training.local_batch_size", "4", "--optimizer.lr", "1e-2",
         "--objective.group_size", "4", "--objective.max_new_tokens", "8",
-        "--objective.rewards", "test_digit_characters",
+        "--objective.temperature", "1.0", "--objective.rewards", "test_digit_characters",
     ]  # fmt: skip
     trainer = Trainer(load_config("temper.recipes.posttrain", "grpo_debug", argv))
     before = _held_out_reward(trainer)
