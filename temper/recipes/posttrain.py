@@ -61,11 +61,11 @@ def dpo_debug() -> Config:
     return Config(
         job=Job(dump_folder="./outputs/dpo_debug"),
         model=Model(name="llama3", flavor="debug"),
-        training=Training(steps=60, seq_len=48, local_batch_size=8),
-        optimizer=Optimizer(lr=5e-3, weight_decay=0.0),
+        training=Training(steps=40, seq_len=48, local_batch_size=16),
+        optimizer=Optimizer(lr=1e-3, weight_decay=0.0),
         lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
         data=Data(format="preference"),
-        objective=Objective(name="dpo", beta=0.1),
+        objective=Objective(name="dpo", beta=1.0),
         lora=LoRA(enable=True, rank=8, alpha=16.0),
     )
 
@@ -77,11 +77,17 @@ def grpo_debug() -> Config:
     return Config(
         job=Job(dump_folder="./outputs/grpo_debug"),
         model=Model(name="llama3", flavor="debug"),
-        training=Training(steps=30, seq_len=48, local_batch_size=8),
-        optimizer=Optimizer(lr=5e-4, weight_decay=0.0),
+        training=Training(steps=30, seq_len=48, local_batch_size=16),
+        optimizer=Optimizer(lr=1e-4, weight_decay=0.0),
         lr_scheduler=LRScheduler(warmup_steps=0, decay="linear", min_lr_ratio=0.5),
         data=Data(format="prompt"),
-        objective=Objective(name="grpo", group_size=8, max_new_tokens=16),
+        objective=Objective(
+            name="grpo",
+            group_size=4,
+            max_new_tokens=16,
+            temperature=0.7,
+            rewards=["exact_match", "format", "item_match"],
+        ),
         checkpoint=Checkpoint(initial_recipe="temper.recipes.posttrain:sft_debug"),
     )
 
