@@ -133,14 +133,14 @@ class SequenceParallel:
         attend = UlyssesAttention(self.group)
         for block in model.layers:
             block.attention.attend = attend
-        # Noted around hidden_states, which forward calls and the fused loss calls alone.
-        hidden_states = model.hidden_states
+        # Noted around the body that forward and hidden_states (the fused loss) both run.
+        body = model._hidden_states
 
         def noting_valid(*args: Any, **kwargs: Any) -> torch.Tensor:
             self._note_valid(args, kwargs)
-            return hidden_states(*args, **kwargs)
+            return body(*args, **kwargs)
 
-        model.hidden_states = noting_valid
+        model._hidden_states = noting_valid
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             routed: dict[str, torch.Tensor] = {}
             moe.router.register_forward_hook(lambda _m, _a, out, r=routed: r.update(out=out))

@@ -137,6 +137,18 @@ class Decoder(nn.Module):
         follow those of earlier calls, whose keys it holds; attention then runs on sdpa with
         the cache's mask, whatever ``attn_backend`` is.
         """
+        return self._hidden_states(input_ids, position_ids, docs, cache)
+
+    def _hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        docs: DocumentMask | None,
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        """``hidden_states``'s body, which ``forward`` calls too: FSDP2 wraps the public method
+        in its root hooks (the fused loss calls it alone), and forward already runs inside
+        them; calling the wrapped method from forward would enter them twice."""
         start = 0 if cache is None else cache.length
         if position_ids is None:
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
@@ -166,7 +178,7 @@ class Decoder(nn.Module):
         With a KV ``cache`` (decoding, see ``hidden_states``), only the last position's logits
         [b, 1, vocab]: nothing else is sampled from, and a long prompt's would be huge.
         """
-        h = self.hidden_states(input_ids, position_ids, docs, cache)
+        h = self._hidden_states(input_ids, position_ids, docs, cache)
         return self.output(h if cache is None else h[:, -1:])
 
     def active_params(self) -> float:
