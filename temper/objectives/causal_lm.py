@@ -124,7 +124,9 @@ def documents(batch: Batch) -> DocumentMask | None:
     """The packed documents of a batch with ``position_ids`` (they restart at each one), so
     attention never crosses a document boundary; None for a continuous stream."""
     position_ids = batch.get(DOCUMENT_POSITIONS, batch.get("position_ids"))
-    return None if position_ids is None else DocumentMask.from_position_ids(position_ids)
+    if position_ids is None or position_ids.numel() == 0:  # empty: continuous SP rows
+        return None
+    return DocumentMask.from_position_ids(position_ids)
 
 
 def count_tokens(batch: Batch) -> torch.Tensor:

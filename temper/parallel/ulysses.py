@@ -51,14 +51,17 @@ def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
     """SP rank ``rank``'s slice (of ``size``) of a [b, s] batch, right-padded to a multiple of
     ``size``.
 
-    ``input_ids``, ``labels`` and ``position_ids`` are sliced; the padded global positions
-    go to ``DOCUMENT_POSITIONS``, from which the objective builds the document mask that
-    attention (which sees the whole sequence) needs. Without ``position_ids`` the rows are
-    continuous sequences at positions 0..s-1.
+    ``input_ids``, ``labels`` and ``position_ids`` are sliced; for packed rows the padded
+    global positions go to ``DOCUMENT_POSITIONS``, from which the objective builds the
+    document mask that attention (which sees the whole sequence) needs. Without
+    ``position_ids`` the rows are continuous sequences at positions 0..s-1: they need no mask
+    (the padding comes last, and causal order hides it), so ``DOCUMENT_POSITIONS`` is empty,
+    and attention keeps its mask-free causal kernel, which never holds the [s, s] scores.
     """
     input_ids, labels = batch["input_ids"], batch["labels"]
     b, s = input_ids.shape
-    positions = batch.get("position_ids")
+    packed = batch.get("position_ids")
+    positions = packed
     if positions is None:
         positions = torch.arange(s, device=input_ids.device).expand(b, s)
     pad = -s % size
@@ -69,7 +72,7 @@ def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
     }
     local = (s + pad) // size
     shard = {key: t[:, rank * local : (rank + 1) * local] for key, t in padded.items()}
-    shard[DOCUMENT_POSITIONS] = padded["position_ids"]
+    shard[DOCUMENT_POSITIONS] = padded["position_ids"] if packed is not None else positions[:0]
     return shard
 
 
