@@ -56,8 +56,17 @@ def sft_debug() -> Config:
 
 
 def dpo_debug() -> Config:
-    """DPO with LoRA on the built-in preference pairs (correct vs one-item-wrong answers);
-    start from an sft_debug checkpoint with --checkpoint.initial_load."""
+    """DPO with LoRA on the built-in preference pairs (correct vs one-item-wrong answers).
+
+    Expects an sft_debug checkpoint (--checkpoint.initial_load <run>/checkpoints/step-60):
+    DPO sharpens the ranking the start already has. From that 60-step SFT model, held-out
+    sort pairs reach ~0.9 reward accuracy while copy pairs, which the SFT model ranks at
+    chance, stay near 0.5, so the overall accuracy is ~0.7. From a random init (no
+    initial_load) it still learns part of sort (accuracy ~0.65, margin ~0.4) against a
+    random reference. beta is 1, not 0.1: the answers differ in one item, so a few nats
+    separate a pair and the loss should stop there; at beta 0.1 it kept lowering both
+    answers' log-probabilities and the held-out accuracy fell back toward chance.
+    """
     return Config(
         job=Job(dump_folder="./outputs/dpo_debug"),
         model=Model(name="llama3", flavor="debug"),
