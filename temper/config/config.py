@@ -489,6 +489,7 @@ def _check_posttrain(config: Config) -> None:
 def _check_grpo(config: Config) -> None:
     """Rollouts fit the rows, groups can differ, every reward exists; SP and EP are refused:
     decoding runs each rank on its own prompts, with no collective between tokens."""
+    from temper.generation.sampling import check_sampling
     from temper.objectives.rewards import reward_names
 
     section = config.objective
@@ -509,11 +510,10 @@ def _check_grpo(config: Config) -> None:
             f"objective.max_new_tokens ({section.max_new_tokens}) must be below "
             f"training.seq_len ({config.training.seq_len}): the prompt needs room"
         )
-    if section.temperature < 0:
-        raise ConfigError(f"objective.temperature must be >= 0, got {section.temperature}")
-    _check_range(config, "objective.top_p", 0.0, 1.0)
-    if section.top_p == 0.0 or (section.top_k is not None and section.top_k < 1):
-        raise ConfigError("objective.top_p must be > 0 and objective.top_k >= 1 (or None)")
+    try:  # the sampler's own rules; its messages start with the argument's name
+        check_sampling(section.temperature, section.top_k, section.top_p)
+    except ValueError as error:
+        raise ConfigError(f"objective.{error}") from None
     _check_range(config, "objective.clip_eps", 0.0, 1.0, right_open=True)
     if section.kl_coef < 0:
         raise ConfigError(f"objective.kl_coef must be >= 0, got {section.kl_coef}")

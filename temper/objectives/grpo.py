@@ -30,7 +30,7 @@ from temper.data.tokenizer import Tokenizer
 from temper.generation import generate
 from temper.kernels.cross_entropy import IGNORE_INDEX, log_probs_from_logits
 from temper.objectives.causal_lm import Batch, label_log_probs
-from temper.objectives.rewards import Reward
+from temper.objectives.rewards import Reward, exact_match
 
 ADVANTAGE_EPS = 1e-4
 """Added to a group's reward std: a group whose rewards all agree gets advantage 0."""
@@ -87,7 +87,6 @@ class GRPO:
         clip_eps: float,
         kl_coef: float,
         updates_per_rollout: int,
-        accuracy: Reward,
         reference: nn.Module | None = None,
         reference_mode: Callable[[nn.Module], contextlib.AbstractContextManager[None]]
         | None = None,
@@ -106,7 +105,6 @@ class GRPO:
         self.clip_eps = clip_eps
         self.kl_coef = kl_coef
         self.updates_per_rollout = updates_per_rollout
-        self.accuracy = accuracy
         self.reference = reference
         self.reference_mode = reference_mode
 
@@ -198,7 +196,7 @@ class GRPO:
             answer = answers[i // self.group_size]
             for k, reward in enumerate(self.rewards.values()):
                 per_reward[k, i] = reward(prompt, text, answer)
-            accuracy[i] = self.accuracy(prompt, text, answer)
+            accuracy[i] = exact_match(prompt, text, answer)
         weights = torch.tensor(self.reward_weights)
         scores = {"reward": weights @ per_reward}
         if len(self.rewards) > 1:

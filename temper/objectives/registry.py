@@ -18,7 +18,7 @@ from temper.models.lora import adapters_disabled
 from temper.objectives.causal_lm import CausalLM, Objective
 from temper.objectives.dpo import DPO
 from temper.objectives.grpo import GRPO
-from temper.objectives.rewards import exact_match, get_reward
+from temper.objectives.rewards import get_reward
 
 Builder = Callable[[Config, Callable[[], nn.Module]], Objective]
 
@@ -96,6 +96,5 @@ def _grpo(config: Config, build_reference: Callable[[], nn.Module]) -> Objective
         clip_eps=section.clip_eps,
         kl_coef=section.kl_coef,
         updates_per_rollout=section.updates_per_rollout,
-        accuracy=exact_match,
         **(_reference(config, build_reference) if section.kl_coef else {}),
     )

@@ -152,7 +152,6 @@ def _objective(**overrides: object) -> GRPO:
         clip_eps=0.2,
         kl_coef=0.0,
         updates_per_rollout=1,
-        accuracy=exact_match,
     )
     return GRPO(**(settings | overrides))
 
