@@ -29,8 +29,9 @@ def apply_fsdp(
     Expects the decoder layout ``tok_embeddings, layers, norm, output``. A tied embedding and
     head share one parameter, which FSDP requires to live in one unit: the root. Untied, the
     embedding is its own unit (freed after the first block) and the final norm and head form
-    one (their backward starts right after the forward, so they stay gathered). Gradients are
-    summed, not averaged: the trainer already divides the loss by the global token count.
+    one that stays gathered under every policy: the fused loss reads ``output.weight`` after
+    the forward returns, and backward needs it next anyway. Gradients are summed, not
+    averaged: the trainer already divides the loss by the global token count.
     """
     mp = mixed_precision(param_dtype)
     blocks = list(model.layers)
@@ -50,10 +51,7 @@ def apply_fsdp(
             reshard_after_forward=_reshard(reshard_after_forward, needed_next=False),
         )
         fully_shard(
-            [model.norm, model.output],
-            mesh=mesh,
-            mp_policy=mp,
-            reshard_after_forward=_reshard(reshard_after_forward, needed_next=True),
+            [model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=False
         )
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # The fused loss calls `hidden_states` instead of forward: FSDP must gather around it too.
