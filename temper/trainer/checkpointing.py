@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,33 +47,55 @@ class TrainCheckpointer:
         # Absolute, so the converter finds them from any working directory.
         self.tokenizer_source = _absolute(config.data.tokenizer_path or config.model.hf_path)
         self.hf_path = _absolute(config.model.hf_path)
+        self._resume_step: int | None = None
 
-    def restore(self, trainer: Trainer) -> int | None:
-        """Resume the run (or start from `initial_load`'s weights); returns the step resumed."""
-        step = resolve_resume(self.root, self.config.resume) if self.config.enable else None
-        if step is not None:
-            self._check_structure(self.manager.metadata(step), trainer, f"{self.root}/step-{step}")
-            state = self.manager.load(step, self._state(trainer))
-            self._apply(trainer, state)
-            return step
-        if self.config.initial_load is not None:
+    def check(self, model: nn.Module) -> None:
+        """Refuse a checkpoint to resume or `initial_load` that does not fit `model` (the meta
+        model, LoRA applied): before any weight is allocated, so a wrong flavor fails at once.
+        """
+        current = self._metadata(model, step=0, tokens_seen=0)
+        self._resume_step = (
+            resolve_resume(self.root, self.config.resume) if self.config.enable else None
+        )
+        if self._resume_step is not None:
+            where = f"{self.root}/step-{self._resume_step}"
+            differences = structure_differences(self.manager.metadata(self._resume_step), current)
+            if differences:
+                raise ConfigError(
+                    f"checkpoint {where} does not match this config: {'; '.join(differences)}. "
+                    "Use a new job.dump_folder, --checkpoint.resume never, or "
+                    "--checkpoint.initial_load for weights only"
+                )
+        elif self.config.initial_load is not None:
             folder = Path(self.config.initial_load)
             saved = read_metadata(folder)
-            current = self._metadata(trainer)
             if saved["model"] != current["model"]:
                 differences = structure_differences(saved, {**saved, "model": current["model"]})
                 raise ConfigError(
                     f"checkpoint.initial_load {folder} holds another model: "
                     + "; ".join(differences)
                 )
-            load_model_weights(trainer.model, folder)
+
+    def restore(self, trainer: Trainer) -> int | None:
+        """Resume the run (or start from `initial_load`'s weights), as `check` found it;
+        returns the step resumed."""
+        if self._resume_step is not None:
+            state = self.manager.load(self._resume_step, self._state(trainer))
+            self._apply(trainer, state)
+            return self._resume_step
+        if self.config.initial_load is not None:
+            load_model_weights(trainer.model, self.config.initial_load)
         return None
 
     def maybe_save(self, trainer: Trainer, *, last: bool) -> None:
         if not self.config.enable:
             return
         if last or trainer.step % self.config.interval == 0:
-            self.manager.save(trainer.step, self._state(trainer), self._metadata(trainer))
+            self.manager.save(
+                trainer.step,
+                self._state(trainer),
+                self._metadata(trainer.model, trainer.step, trainer.tokens_seen),
+            )
         if last:
             self.manager.wait()
 
@@ -100,27 +123,18 @@ class TrainCheckpointer:
         trainer.tokens_seen = state["train_state"]["tokens_seen"]
         set_rng_state(state["rng"])
 
-    def _metadata(self, trainer: Trainer) -> dict[str, Any]:
-        param_dtype = next(trainer.model.parameters()).dtype
+    def _metadata(self, model: nn.Module, step: int, tokens_seen: int) -> dict[str, Any]:
+        param_dtype = next(model.parameters()).dtype
         return build_metadata(
-            trainer.model,
-            step=trainer.step,
+            model,
+            step=step,
             structure=run_structure(ep=self.ep, lora=self.lora, param_dtype=param_dtype),
             extra={
-                "tokens_seen": trainer.tokens_seen,
+                "tokens_seen": tokens_seen,
                 "tokenizer": self.tokenizer_source,
                 "hf_path": self.hf_path,
             },
         )
-
-    def _check_structure(self, saved: dict[str, Any], trainer: Trainer, where: str) -> None:
-        differences = structure_differences(saved, self._metadata(trainer))
-        if differences:
-            raise ConfigError(
-                f"checkpoint {where} does not match this config: {'; '.join(differences)}. "
-                "Use a new job.dump_folder, --checkpoint.resume never, or "
-                "--checkpoint.initial_load for weights only"
-            )
 
 
 def _absolute(path: str | None) -> str | None:

@@ -65,6 +65,8 @@ class Trainer:
                 dropout=lora.dropout,
                 rslora=lora.rslora,
             )
+        self.checkpointer = TrainCheckpointer(config)
+        self.checkpointer.check(model)
         self.meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None
         self.sequence_parallel = parallelize_decoder(model, config, self.meshes, self.dtype)
         with layout_invariant_init():
@@ -85,7 +87,6 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self._rollout: tuple[list[Batch], dict[str, float]] | None = None
-        self.checkpointer = TrainCheckpointer(config)
         self.checkpointer.restore(self)
         self.start_step = self.step
         self.metrics = MetricsLogger(

@@ -2,6 +2,11 @@
 
 A rank that raises, dies or hangs fails the caller with that rank's traceback or a timeout,
 so a broken collective fails the test instead of hanging CI.
+
+Ranks fork from a forkserver that imported torch and temper once per test session: a
+spawned process would spend ~3 s of CPU importing them, and a world-4 test on CI's two
+cores paid that four times per run. The server runs no torch op before forking, so each
+rank starts as clean as a spawned one (no threads, no process group, default kernels).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ def run_on_ranks(
     tensors in it come back by value.
     Each rank uses one CPU thread, so ranks do not fight over the cores.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
     results: queue.Queue[tuple[int, bool, Any]] = ctx.Queue()
     port = free_port()
     procs = [
@@ -67,6 +72,11 @@ def run_on_ranks(
                 proc.kill()
                 proc.join()
     return [done[rank] for rank in range(world_size)]
+
+
+_PRELOAD = ["torch", "torch.distributed", "temper.trainer.trainer", "training"]
+"""Imported once by the forkserver (``training`` is this folder's run helper module)."""
+mp.set_forkserver_preload(_PRELOAD)
 
 
 def free_port() -> int:

@@ -98,7 +98,9 @@ def test_resume_at_another_world_size(tmp_path: Path, new_world: int) -> None:
     assert resumed["next_row"] == straight["next_row"]  # no row seen twice or skipped
 
 
-def test_mismatched_structure_is_refused(tmp_path: Path) -> None:
+def test_mismatched_structure_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resuming, or starting from the checkpoint's weights, with another flavor is refused
+    from the meta model: the 1B flavor's weights are never allocated."""
     from temper.config import ConfigError
     from temper.trainer import Trainer
 
@@ -107,5 +109,14 @@ def test_mismatched_structure_is_refused(tmp_path: Path) -> None:
     config.checkpoint.interval = 2
     Trainer(config).train()
     config.model.flavor = "1b"
+
+    def materialize(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was materialized before the checkpoint was checked")
+
+    monkeypatch.setattr("temper.trainer.trainer.materialize", materialize)
     with pytest.raises(ConfigError, match=r"model.args.dim: checkpoint 256, config 2048"):
+        Trainer(config)
+    config.checkpoint.resume = "never"
+    config.checkpoint.initial_load = str(tmp_path / "checkpoints" / "step-2")
+    with pytest.raises(ConfigError, match=r"holds another model: model.args.dim: checkpoint 256"):
         Trainer(config)
