@@ -36,6 +36,7 @@ def _config(folder: Path, local_batch: int, offload: bool) -> Config:
     config = grpo_debug()
     config.job.dump_folder = str(folder)
     config.checkpoint.initial_recipe = None  # a random policy: no SFT first
+    config.lora.enable = False  # the KL reference is then a frozen copy, sharded like the policy
     config.metrics.tensorboard = False
     config.training.steps = STEPS
     config.training.seq_len = 40

@@ -45,7 +45,7 @@ def _held_out_reward(trainer: Trainer) -> float:
 def test_a_short_grpo_run_raises_the_held_out_reward(tmp_path: Path) -> None:
     argv = [
         "--job.dump_folder", str(tmp_path), "--metrics.no_tensorboard",
-        "--checkpoint.initial_recipe", "",
+        "--checkpoint.initial_recipe", "", "--lora.no_enable",
         "--training.steps", "8", "--training.seq_len", "40",
         "--training.local_batch_size", "4", "--optimizer.lr", "1e-2",
         "--objective.group_size", "4", "--objective.max_new_tokens", "8",
@@ -76,8 +76,10 @@ def test_initial_recipe_trains_the_start_once_and_loads_it(tmp_path: Path) -> No
     start = tmp_path / "initial" / "checkpoints" / "step-3"  # the override applied
     assert trainer.config.checkpoint.initial_load == str(start)
     saved = load_checkpoint_model(start).state_dict()
-    for name, value in trainer.model.state_dict().items():
-        torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+    weights = trainer.model.state_dict()  # the saved base weights, plus fresh LoRA adapters
+    assert {name for name in weights if "lora_" not in name} == saved.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0)
     stamp = (start / "temper.json").stat().st_mtime_ns
     again = Trainer(load_config("temper.recipes.posttrain", "grpo_debug", argv))
     assert again.config.checkpoint.initial_load == str(start)
