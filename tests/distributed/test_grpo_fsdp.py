@@ -4,8 +4,9 @@ Two data-parallel ranks, each rolling out its own prompt, against one process ac
 both prompts as micro-batches. Samplers are seeded by (seed, step, data rank x micro-batch),
 so both layouts draw the same completions; then the losses, gradient norms and rollout
 metrics (averaged over ranks) must agree. The FSDP run also offloads the optimizer around
-every rollout (its DTensor state goes to CPU and back) and has a KL term to a frozen
-reference sharded like the policy.
+every rollout (its DTensor state goes to CPU and back) and has a KL term: to a frozen
+reference sharded like the policy, or, with the recipe's LoRA, to the base with the
+adapters off.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ def digit_share(prompt: str, completion: str, answer: str) -> float:
     return sum(c.isdigit() for c in chars) / max(len(chars), 1)
 
 
-def _config(folder: Path, local_batch: int, offload: bool) -> Config:
+def _config(folder: Path, local_batch: int, offload: bool, lora: bool) -> Config:
     config = grpo_debug()
     config.job.dump_folder = str(folder)
     config.checkpoint.initial_recipe = None  # a random policy: no SFT first
-    config.lora.enable = False  # the KL reference is then a frozen copy, sharded like the policy
+    config.lora.enable = lora  # off: the KL reference is a frozen copy, sharded like the policy
     config.metrics.tensorboard = False
     config.training.steps = STEPS
     config.training.seq_len = 40
@@ -67,9 +68,10 @@ def _train(config: Config) -> list[dict[str, float]] | None:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_grpo_with_fsdp2_and_offload_trains_like_one_process(tmp_path: Path) -> None:
-    single = run_on_ranks(_train, 1, _config(tmp_path / "single", 1, offload=False))[0]
-    fsdp = run_on_ranks(_train, 2, _config(tmp_path / "fsdp", 1, offload=True))[0]
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen_reference", "lora"])
+def test_grpo_with_fsdp2_and_offload_trains_like_one_process(tmp_path: Path, lora: bool) -> None:
+    single = run_on_ranks(_train, 1, _config(tmp_path / "single", 1, offload=False, lora=lora))[0]
+    fsdp = run_on_ranks(_train, 2, _config(tmp_path / "fsdp", 1, offload=True, lora=lora))[0]
     assert_same_metrics(fsdp, single)
     assert any(row["grad_norm"] > 0 for row in single)  # rewards differed within groups
     for row, ref in zip(fsdp, single, strict=True):
