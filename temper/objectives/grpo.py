@@ -208,12 +208,14 @@ class GRPO:
     def _reference_log_probs(
         self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
     ) -> torch.Tensor:
+        """The reference's per-token log-probs: the frozen copy, or the policy with its
+        adapters off."""
         if self.reference is not None:
-            return _log_probs_and_entropy(self.reference, input_ids, labels, self.loss_temperature)[
-                0
-            ]
+            return label_log_probs(
+                self.reference, input_ids, labels, temperature=self.loss_temperature
+            )
         with self.reference_mode(model):
-            return _log_probs_and_entropy(model, input_ids, labels, self.loss_temperature)[0]
+            return label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
 
 
 def _completion_mask(lengths: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

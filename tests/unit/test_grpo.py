@@ -200,3 +200,26 @@ def test_rollout_records_the_trainers_log_probs_and_the_loss_is_the_formula() ->
     assert step_metrics["clip_fraction"] == pytest.approx(
         positive.sum().item() / completion.sum().item()
     )
+
+
+def test_kl_term_uses_the_reference_log_probs_and_adds_k3() -> None:
+    torch.manual_seed(0)
+    model = materialize(build_model("llama3", "debug"), torch.device("cpu"))
+    torch.manual_seed(1)
+    reference = materialize(build_model("llama3", "debug"), torch.device("cpu"))
+    objective = _objective(kl_coef=0.1, reference=reference)
+    batch, _ = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
+    completion = batch["labels"] != IGNORE_INDEX
+    with torch.no_grad():
+        ref = label_log_probs(reference, batch["input_ids"], batch["labels"])
+    torch.testing.assert_close(batch["ref_log_probs"], ref, rtol=0, atol=1e-6)
+    batch["advantages"] = torch.linspace(-1.0, 1.0, 8)
+
+    loss, _, step_metrics = objective.loss(model, batch)
+    delta = ref - batch["old_log_probs"]  # on-policy: log pi = old
+    k3 = torch.exp(delta) - delta - 1
+    policy = -(batch["advantages"][:, None] * completion).sum()
+    want = policy + 0.1 * k3[completion].sum()
+    assert k3[completion].mean() > 0.01  # two random models: the term is not negligible
+    assert loss.item() == pytest.approx(want.item(), rel=1e-4)
+    assert step_metrics["kl"] == pytest.approx(k3[completion].mean().item(), rel=1e-4)
