@@ -12,7 +12,8 @@ Timed implementations, all in one process:
 
 - Temper ``reference``: the MoE ops' plain-PyTorch references (``REFERENCE``);
 - Temper ``compile``: ``--kernels.swiglu compile --kernels.moe_permute compile``.
-  The grouped GEMM has no kernel switch: off CUDA bf16 it is always the per-expert loop.
+  The grouped GEMM has no kernel switch: ``torch._grouped_mm`` where it runs (CPU fp32/bf16
+  eager, CUDA bf16), else the per-expert loop.
   The row marked "default" is what a training run's ``Kernels()`` resolves to on this device;
 - HF ``eager``: the block's own loop over the experts that got tokens;
 - HF ``grouped_mm``: ``torch._grouped_mm``, what ``from_pretrained`` picks by default.

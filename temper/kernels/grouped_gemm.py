@@ -1,16 +1,19 @@
 """Grouped GEMM for mixture-of-experts: rows sorted by group, one weight matrix per group.
 
-``grouped_mm`` runs ``torch._grouped_mm`` on CUDA in bf16 where its layout rules hold, and the
-plain-PyTorch loop over groups everywhere else; the loop is also the reference that tests hold
-the fast path to.
+``grouped_mm`` runs ``torch._grouped_mm`` on CUDA in bf16 where its layout rules hold and on
+CPU in fp32 or bf16 where this torch build has the CPU kernel (eager only), and the
+plain-PyTorch loop over groups everywhere else; the loop is also the reference that tests
+hold the fast path to.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _ALIGN_BYTES = 16
-"""torch._grouped_mm on CUDA needs 16-byte aligned data pointers and leading strides."""
+"""torch._grouped_mm needs 16-byte aligned data pointers and leading strides (CPU too)."""
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -59,12 +62,37 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _fast_path_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """CUDA, SM80+, bf16, and both operands' leading strides and pointers 16-byte aligned."""
-    if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16):
+    """Both operands' leading strides and pointers 16-byte aligned, and: on CPU, fp32 or bf16
+    if the kernel exists, outside torch.compile (whose shape rule for the op accepts bf16
+    only; asked first, before ``data_ptr`` breaks the graph); on CUDA, SM80+ and bf16."""
+    if x.device.type == "cpu":
+        if torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        supported = _cpu_kernel_exists(x.dtype)
+    else:
+        supported = (
+            hasattr(torch, "_grouped_mm")
+            and x.is_cuda
+            and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        )
+    return supported and all(_aligned(t) for t in (x, w))
+
+
+@functools.cache
+def _cpu_kernel_exists(dtype: torch.dtype) -> bool:
+    """Older torch builds declare ``torch._grouped_mm`` but lack its CPU kernel: ask once."""
+    if not hasattr(torch, "_grouped_mm"):
         return False
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
+    try:
+        torch._grouped_mm(
+            torch.ones(8, 8, dtype=dtype),
+            torch.ones(1, 8, 8, dtype=dtype),
+            offs=torch.tensor([8], dtype=torch.int32),
+        )
+    except (RuntimeError, NotImplementedError):
         return False
-    return all(_aligned(t) for t in (x, w))
+    return True
 
 
 def _aligned(t: torch.Tensor) -> bool:

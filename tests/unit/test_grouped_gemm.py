@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from temper.kernels import grouped_mm
-from temper.kernels.grouped_gemm import grouped_mm_fast, grouped_mm_reference
+from temper.kernels import grouped_gemm, grouped_mm
+from temper.kernels.grouped_gemm import _cpu_kernel_exists, grouped_mm_fast, grouped_mm_reference
 
 # Group sizes with an empty group in the middle and one at the end.
 SIZES = [3, 0, 5, 1, 7, 0]
@@ -53,3 +53,24 @@ def test_autocast_computes_in_its_dtype() -> None:
     assert out.dtype == torch.bfloat16
     expected = grouped_mm_reference(x.bfloat16(), w.bfloat16(), offsets)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not _cpu_kernel_exists(torch.float32), reason="no CPU torch._grouped_mm")
+def test_cpu_fp32_takes_torch_grouped_mm_eagerly_and_the_loop_under_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.compiler.is_compiling())
+        return grouped_mm_fast(*args)
+
+    monkeypatch.setattr(grouped_gemm, "grouped_mm_fast", counted)
+    x, w, offsets = _operands(torch.float32)
+    expected = grouped_mm_reference(x, w, offsets)
+    torch.testing.assert_close(grouped_mm(x, w, offsets), expected, rtol=1e-5, atol=1e-5)
+    assert calls == [False]
+    # torch.compile's shape rule for the op takes bf16 only: the fp32 graph holds the loop.
+    compiled = torch.compile(grouped_mm, backend="eager", fullgraph=False)
+    torch.testing.assert_close(compiled(x, w, offsets), expected, rtol=1e-5, atol=1e-5)
+    assert calls == [False]
