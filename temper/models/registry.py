@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from temper.utils.registry import Registry
+
 if TYPE_CHECKING:
     from temper.models.hf import HFAdapter
 
@@ -25,29 +27,17 @@ class ModelSpec:
     hf_adapter: "HFAdapter | None" = None
 
 
-_SPECS: dict[str, ModelSpec] = {}
+_SPECS: Registry[ModelSpec] = Registry("model")
 
 
 def register_model(spec: ModelSpec) -> ModelSpec:
     """Add a family; a name can be registered once."""
-    if spec.name in _SPECS:
-        raise ValueError(f"model {spec.name!r} is already registered")
-    _SPECS[spec.name] = spec
-    return spec
+    return _SPECS.add(spec.name, spec)
 
 
-def get_model_spec(name: str) -> ModelSpec:
-    if name not in _SPECS:
-        raise ValueError(f"unknown model {name!r}; registered models: {', '.join(model_names())}")
-    return _SPECS[name]
-
-
-def model_names() -> list[str]:
-    return sorted(_SPECS)
-
-
-def all_model_specs() -> list[ModelSpec]:
-    return [_SPECS[name] for name in model_names()]
+get_model_spec = _SPECS.get
+model_names = _SPECS.names
+all_model_specs = _SPECS.values
 
 
 def spec_of(model: nn.Module) -> ModelSpec:

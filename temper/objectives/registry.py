@@ -19,34 +19,19 @@ from temper.objectives.causal_lm import CausalLM, Objective
 from temper.objectives.dpo import DPO
 from temper.objectives.grpo import GRPO
 from temper.objectives.rewards import get_reward
+from temper.utils.registry import Registry
 
 Builder = Callable[[Config, Callable[[], nn.Module]], Objective]
 
-_OBJECTIVES: dict[str, Builder] = {}
-
-
-def register_objective(name: str) -> Callable[[Builder], Builder]:
-    def register(builder: Builder) -> Builder:
-        if name in _OBJECTIVES:
-            raise ValueError(f"objective {name!r} is already registered")
-        _OBJECTIVES[name] = builder
-        return builder
-
-    return register
-
-
-def objective_names() -> list[str]:
-    return sorted(_OBJECTIVES)
+_OBJECTIVES: Registry[Builder] = Registry("objective")
+register_objective = _OBJECTIVES.decorator
+"""``@register_objective("name")`` makes a builder a choice of ``objective.name``."""
+objective_names = _OBJECTIVES.names
 
 
 def build_objective(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
-    name = config.objective.name
-    if name not in _OBJECTIVES:
-        raise ValueError(
-            f"objective.name {name!r} is not registered; choose one of "
-            f"{', '.join(objective_names())}"
-        )
-    return _OBJECTIVES[name](config, build_reference)
+    """The objective ``objective.name`` names (``Config.validate`` has checked the name)."""
+    return _OBJECTIVES.get(config.objective.name)(config, build_reference)
 
 
 @register_objective("causal_lm")

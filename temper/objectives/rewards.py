@@ -11,29 +11,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from temper.utils.registry import Registry
+
 Reward = Callable[[str, str, str], float]
 
-_REWARDS: dict[str, Reward] = {}
-
-
-def register_reward(name: str) -> Callable[[Reward], Reward]:
-    def register(reward: Reward) -> Reward:
-        if name in _REWARDS:
-            raise ValueError(f"reward {name!r} is already registered")
-        _REWARDS[name] = reward
-        return reward
-
-    return register
-
-
-def reward_names() -> list[str]:
-    return sorted(_REWARDS)
-
-
-def get_reward(name: str) -> Reward:
-    if name not in _REWARDS:
-        raise ValueError(f"reward {name!r} is not registered; choose one of {reward_names()}")
-    return _REWARDS[name]
+_REWARDS: Registry[Reward] = Registry("reward")
+register_reward = _REWARDS.decorator
+"""``@register_reward("name")`` makes a reward function a choice of ``objective.rewards``."""
+reward_names = _REWARDS.names
+get_reward = _REWARDS.get
 
 
 @register_reward("exact_match")
