@@ -66,10 +66,16 @@ def _open_metrics(path: Path, resume_step: int) -> IO[str]:
     return handle
 
 
+HEADLINE_METRICS = ("reward_mean", "accuracy", "reward_accuracy", "reward_margin")
+"""An objective's metrics that the console line shows after the loss when present (GRPO's
+reward and sampled accuracy, DPO's reward accuracy and margin): its loss alone says little."""
+
+
 def format_line(record: dict[str, Any]) -> str:
     eta = record.get("eta_seconds", 0.0)
+    headline = "".join(f"{k} {record[k]:.3f}  " for k in HEADLINE_METRICS if k in record)
     return (
-        f"step {record['step']:>6}  loss {record['loss']:.4f}  "
+        f"step {record['step']:>6}  loss {record['loss']:.4f}  {headline}"
         f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
         f"tok/s {record['tokens_per_second']:,.0f}  tflops {record['tflops']:.2f}  "
         f"mfu {record['mfu']:.1f}%  mem {record['memory_gib']:.2f}GiB  "

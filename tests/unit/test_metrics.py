@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from temper.trainer import metrics as metrics_module
-from temper.trainer.metrics import MetricsLogger, Throughput
+from temper.trainer.metrics import MetricsLogger, Throughput, format_line
 from temper.utils import peak_flops as peak_module
 from temper.utils.peak_flops import cpu_peak_flops, gpu_peak_flops
 
@@ -70,7 +70,26 @@ def test_logger_writes_jsonl_and_console(tmp_path, capsys) -> None:
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 3, **row}
     assert any((tmp_path / "tb").iterdir())
     line = capsys.readouterr().out
-    assert "step      3  loss 2.5000" in line and "eta 00:01:01" in line
+    assert "step      3  loss 2.5000  grad_norm 0.500" in line and "eta 00:01:01" in line
+
+
+def test_console_line_shows_an_objectives_headline_metrics() -> None:
+    row = {
+        "step": 7,
+        "loss": 0.0,
+        "grad_norm": 0.5,
+        "lr": 1e-3,
+        "tokens_per_second": 1000.0,
+        "tflops": 0.1,
+        "mfu": 5.0,
+        "memory_gib": 1.0,
+        "accuracy": 0.5,
+        "reward_mean": 1.25,
+        "entropy": 0.4,  # logged to metrics.jsonl only
+    }
+    line = format_line(row)
+    assert "loss 0.0000  reward_mean 1.250  accuracy 0.500  grad_norm 0.500" in line
+    assert "entropy" not in line
 
 
 def test_disabled_logger_writes_nothing(tmp_path) -> None:
