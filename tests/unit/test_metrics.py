@@ -53,18 +53,22 @@ def test_throughput_arithmetic(monkeypatch) -> None:
     assert rates["eta_seconds"] == pytest.approx(8.0)  # 1 s/step x 8 steps left
 
 
+TRAINER_ROW = {
+    "loss": 2.5,
+    "grad_norm": 0.5,
+    "lr": 1e-3,
+    "tokens_per_second": 1000.0,
+    "tflops": 0.1,
+    "mfu": 5.0,
+    "memory_gib": 1.0,
+    "eta_seconds": 61.0,
+}
+"""What the trainer logs every step, whatever the objective."""
+
+
 def test_logger_writes_jsonl_and_console(tmp_path, capsys) -> None:
     logger = MetricsLogger(tmp_path, tensorboard=True, enabled=True)
-    row = {
-        "loss": 2.5,
-        "grad_norm": 0.5,
-        "lr": 1e-3,
-        "tokens_per_second": 1000.0,
-        "tflops": 0.1,
-        "mfu": 5.0,
-        "memory_gib": 1.0,
-        "eta_seconds": 61.0,
-    }
+    row = dict(TRAINER_ROW)
     logger.log(3, row)
     logger.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 3, **row}
@@ -74,20 +78,8 @@ def test_logger_writes_jsonl_and_console(tmp_path, capsys) -> None:
 
 
 def test_console_line_shows_an_objectives_headline_metrics() -> None:
-    row = {
-        "step": 7,
-        "loss": 0.0,
-        "grad_norm": 0.5,
-        "lr": 1e-3,
-        "tokens_per_second": 1000.0,
-        "tflops": 0.1,
-        "mfu": 5.0,
-        "memory_gib": 1.0,
-        "accuracy": 0.5,
-        "reward_mean": 1.25,
-        "entropy": 0.4,  # logged to metrics.jsonl only
-    }
-    line = format_line(row)
+    row = TRAINER_ROW | {"step": 7, "loss": 0.0, "accuracy": 0.5, "reward_mean": 1.25}
+    line = format_line(row | {"entropy": 0.4})  # entropy goes to metrics.jsonl only
     assert "loss 0.0000  reward_mean 1.250  accuracy 0.500  grad_norm 0.500" in line
     assert "entropy" not in line
 
