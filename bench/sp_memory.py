@@ -34,10 +34,10 @@ def _rank(recipe: str, seq_len: int, sp: int, folder: str) -> float:
     module = "temper.recipes.llama3" if recipe.startswith("llama3") else "temper.recipes.qwen3"
     trainer = Trainer(load_config(module, recipe, argv))
     batches = iter(trainer.loader)
-    trainer.train_step([trainer._to_device(next(batches))])
+    trainer.train_step([next(batches)])
     before = _rss_gib()
-    _reset_peak(trainer.device)
-    trainer.train_step([trainer._to_device(next(batches))])
+    _reset_peak(trainer.engine.device)
+    trainer.train_step([next(batches)])
     return _peak_rss_gib() - before
 
 

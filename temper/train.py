@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+import temper.engine  # noqa: F401  (registers every built-in config rule and objective)
 from temper.config import ConfigError, load_config
 
 DEFAULT_MODULE = "temper.recipes.llama3"

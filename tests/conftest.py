@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import temper.engine  # noqa: F401  (registers every built-in config rule and objective)
 from temper.kernels.dispatch import REFERENCE, configure_kernels
 
 

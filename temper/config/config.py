@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -121,36 +122,75 @@ class Data:
 
 
 @dataclass
-class Objective:
+class ObjectiveConfig:
+    """The ``objective`` section. Each objective subclasses it beside its loss with its own
+    typed fields, ``data_formats``, ``validate`` and ``build``, and registers the subclass
+    with ``temper.objectives.register_objective``; ``--objective.name`` picks one and the CLI
+    then parses (and ``--help`` shows) that subclass's fields."""
+
     name: str = "causal_lm"
     """Training objective, as registered with `temper.objectives.register_objective`:
     causal_lm (pretraining, SFT), dpo or grpo."""
-    beta: float = 0.1
-    """dpo: strength of the pull toward the reference (the KL coefficient)."""
-    label_smoothing: float = 0.0
-    """dpo sigmoid loss: assumed probability that a preference label is flipped."""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """dpo: sigmoid (DPO) or ipo."""
-    group_size: int = 8
-    """grpo: completions sampled per prompt; advantages are normalized within the group."""
-    max_new_tokens: int = 32
-    """grpo: the longest completion; prompts get training.seq_len minus this."""
-    temperature: float = 1.0
-    """grpo: sampling temperature of the rollouts (0 is greedy)."""
-    top_k: int | None = None
-    """grpo: sample among the k most likely tokens; None = all."""
-    top_p: float = 1.0
-    """grpo: nucleus sampling mass; 1.0 = off."""
-    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
-    """grpo: reward functions registered with `temper.objectives.register_reward`, summed."""
-    reward_weights: list[float] = field(default_factory=list)
-    """grpo: one weight per reward; empty = all 1."""
-    clip_eps: float = 0.2
-    """grpo: the importance ratio is clipped to [1 - eps, 1 + eps] (PPO)."""
-    kl_coef: float = 0.0
-    """grpo: weight of the k3 KL estimate to the reference model; 0 builds no reference."""
-    updates_per_rollout: int = 1
-    """grpo: optimizer steps taken on each rollout batch (the first one is on-policy)."""
+
+    data_formats: ClassVar[tuple[str, ...]] = ()
+    """The ``data.format`` values this objective reads."""
+
+    def validate(self, config: Config) -> None:
+        """Rules of this objective that span sections; raise ConfigError naming the field."""
+
+    def completion_tokens(self) -> int:
+        """Tokens of each row this objective fills itself (sampled completions of prompt
+        data), which the prompt must leave free."""
+        return 0
+
+    def build(self, config: Config, build_reference: Callable[[], Any]) -> Any:
+        """The objective (``temper.objectives.Objective``) this section configures;
+        ``build_reference`` makes a frozen copy of the policy for objectives that need one."""
+        raise NotImplementedError(f"objective {self.name!r} does not define build()")
+
+
+_OBJECTIVES: dict[str, type[ObjectiveConfig]] = {}
+_RULES: list[Callable[[Config, int], None]] = []
+
+
+def register_objective_config(section: type[ObjectiveConfig]) -> type[ObjectiveConfig]:
+    """Make ``section`` (a dataclass subclass of ObjectiveConfig whose ``name`` default is its
+    registered name) a choice of ``--objective.name``."""
+    name = section.name
+    if not (isinstance(section, type) and issubclass(section, ObjectiveConfig)):
+        raise TypeError(f"objective {name!r}: {section!r} is not a subclass of ObjectiveConfig")
+    if name in _OBJECTIVES:
+        raise ValueError(f"objective {name!r} is already registered")
+    _OBJECTIVES[name] = section
+    return section
+
+
+def objective_config_type(name: str) -> type[ObjectiveConfig]:
+    if name not in _OBJECTIVES:
+        raise ConfigError(
+            f"objective.name {name!r} is not registered; choose one of "
+            f"{', '.join(objective_config_names())}"
+        )
+    return _OBJECTIVES[name]
+
+
+def objective_config_names() -> list[str]:
+    return sorted(_OBJECTIVES)
+
+
+def default_objective() -> ObjectiveConfig:
+    """causal_lm's section once ``temper.objectives`` registered it, else the bare base."""
+    section = _OBJECTIVES.get(ObjectiveConfig.name)
+    return section() if section is not None else ObjectiveConfig()
+
+
+def register_rule(rule: Callable[[Config, int], None]) -> Callable[[Config, int], None]:
+    """Add a cross-field rule that ``Config.validate`` runs: ``rule(config, world_size)``
+    raises ConfigError. The component that owns a rule registers it where it is defined
+    (parallel degrees in ``temper.parallel.dims``, model fit in ``temper.models``, ...), so
+    this package needs nothing above it; ``import temper.engine`` loads every built-in rule."""
+    _RULES.append(rule)
+    return rule
 
 
 @dataclass
@@ -278,7 +318,7 @@ class Config:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     data: Data = field(default_factory=Data)
-    objective: Objective = field(default_factory=Objective)
+    objective: ObjectiveConfig = field(default_factory=default_objective)
     lora: LoRA = field(default_factory=LoRA)
     metrics: Metrics = field(default_factory=Metrics)
     parallelism: Parallelism = field(default_factory=Parallelism)
@@ -288,105 +328,52 @@ class Config:
     kernels: Kernels = field(default_factory=Kernels)
 
     def validate(self, world_size: int | None = None) -> None:
-        """Raise ConfigError naming the first field that breaks a rule."""
+        """Raise ConfigError naming the first field that breaks a rule: this section's own
+        rules, then the objective's, then those the owning components registered."""
         if world_size is None:
             world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        _check_positive(self, "training.steps", "training.seq_len", "training.local_batch_size")
-        _check_positive(self, "optimizer.lr", "optimizer.eps", "metrics.log_freq")
-        _check_positive(self, "checkpoint.interval")
-        _check_range(self, "optimizer.beta1", 0.0, 1.0, right_open=True)
-        _check_range(self, "optimizer.beta2", 0.0, 1.0, right_open=True)
-        _check_range(self, "lr_scheduler.min_lr_ratio", 0.0, 1.0)
-        _check_range(self, "lr_scheduler.decay_ratio", 0.0, 1.0)
+        check_positive(self, "training.steps", "training.seq_len", "training.local_batch_size")
+        check_positive(self, "optimizer.lr", "optimizer.eps", "metrics.log_freq")
+        check_positive(self, "checkpoint.interval")
+        check_range(self, "optimizer.beta1", 0.0, 1.0, right_open=True)
+        check_range(self, "optimizer.beta2", 0.0, 1.0, right_open=True)
+        check_range(self, "lr_scheduler.min_lr_ratio", 0.0, 1.0)
+        check_range(self, "lr_scheduler.decay_ratio", 0.0, 1.0)
         for name in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps"):
-            if _get(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {_get(self, name)}")
-        dp = self.data_parallel_size(world_size)
-        local, global_ = self.training.local_batch_size, self.training.global_batch_size
-        if global_ != -1 and (global_ <= 0 or global_ % (local * dp)):
-            raise ConfigError(
-                f"training.global_batch_size ({global_}) must be -1 or a positive multiple of "
-                f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
-            )
-        _check_model(self.model)
-        _check_expert_parallel(self)
-        _check_sequence_parallel(self)
-        _check_attention(self)
+            if get_field(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {get_field(self, name)}")
         _check_checkpoint(self.checkpoint)
-        _check_posttrain(self)
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """Ranks that see different data: the world divided by the non-data degrees."""
-        from temper.parallel.dims import ParallelDims
-
-        return ParallelDims.from_config(self.parallelism, world_size).dp
-
-    def grad_accum_steps(self, world_size: int) -> int:
-        dp = self.data_parallel_size(world_size)
-        local = self.training.local_batch_size
-        global_ = self.training.global_batch_size
-        return 1 if global_ == -1 else global_ // (local * dp)
+        check_positive(self, "lora.rank", "lora.alpha", "data.builtin_examples")
+        check_range(self, "lora.dropout", 0.0, 1.0, right_open=True)
+        _check_objective(self)
+        self.objective.validate(self)
+        for rule in _RULES:
+            rule(self, world_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _get(config: Config, dotted: str) -> Any:
+def get_field(config: Config, dotted: str) -> Any:
+    """The value of ``section.field`` (``"training.seq_len"``)."""
     section, name = dotted.split(".")
     return getattr(getattr(config, section), name)
 
 
-def _check_positive(config: Config, *names: str) -> None:
+def check_positive(config: Config, *names: str) -> None:
+    """Each named ``section.field`` is > 0."""
     for name in names:
-        if _get(config, name) <= 0:
-            raise ConfigError(f"{name} must be > 0, got {_get(config, name)}")
+        if get_field(config, name) <= 0:
+            raise ConfigError(f"{name} must be > 0, got {get_field(config, name)}")
 
 
-def _check_range(
+def check_range(
     config: Config, name: str, low: float, high: float, right_open: bool = False
 ) -> None:
-    value = _get(config, name)
+    value = get_field(config, name)
     if not low <= value <= high or (right_open and value == high):
         bracket = ")" if right_open else "]"
         raise ConfigError(f"{name} must be in [{low}, {high}{bracket}, got {value}")
-
-
-def _check_model(model: Model) -> None:
-    from temper.models import get_model_spec, model_names
-    from temper.models.hf import read_hf_args
-
-    if model.hf_path is not None:
-        try:
-            read_hf_args(model.hf_path)
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"model.hf_path: {err}") from err
-        return
-
-    if model.name not in model_names():
-        raise ConfigError(
-            f"model.name {model.name!r} is not a registered model; choose one of "
-            f"{', '.join(model_names())}"
-        )
-    flavors = get_model_spec(model.name).flavors
-    if model.flavor not in flavors:
-        raise ConfigError(
-            f"model.flavor {model.flavor!r} is not a flavor of {model.name}; choose one of "
-            f"{', '.join(flavors)}"
-        )
-
-
-def _check_attention(config: Config) -> None:
-    """A backend that this machine's training device lacks fails here, before any work."""
-    import torch
-
-    from temper.kernels.attention import backend_unavailable
-    from temper.utils.device import resolve_dtype
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(config.training.dtype, device)
-    reason = backend_unavailable(config.model.attn, device, dtype, backward=True)
-    if reason is not None:
-        raise ConfigError(f"model.attn {config.model.attn!r}: {reason}")
 
 
 def _check_checkpoint(checkpoint: Checkpoint) -> None:
@@ -405,128 +392,18 @@ def _check_checkpoint(checkpoint: Checkpoint) -> None:
         )
 
 
-def _check_expert_parallel(config: Config) -> None:
-    """``ep > 1`` needs routed experts that split evenly; how ep fits the world (it divides
-    ``dp_shard x sp``) is checked with the other degrees by `ParallelDims.from_config`."""
-    ep = config.parallelism.ep
-    if ep == 1:
-        return
-    if config.compile.enable:
-        raise ConfigError(
-            f"compile.enable with parallelism.ep = {ep}: the all-to-all dispatch reads its split "
-            "sizes on the host, which a full-graph compiled block cannot; turn one off"
-        )
-    args, source = _model_args(config.model)
-    n_experts = getattr(args, "n_experts", 0)
-    if not n_experts:
-        raise ConfigError(
-            f"parallelism.ep = {ep} needs a mixture-of-experts model; {source} has no experts"
-        )
-    if n_experts % ep:
-        raise ConfigError(
-            f"parallelism.ep ({ep}) must divide the number of experts ({n_experts} in {source})"
-        )
-
-
-def _check_sequence_parallel(config: Config) -> None:
-    """``sp > 1`` (Ulysses) splits attention heads over SP ranks and gives each at least one
-    token; sequence lengths that SP does not divide are right-padded."""
-    sp = config.parallelism.sp
-    if sp == 1:
-        return
-    from temper.parallel.ulysses import check_heads
-
-    if config.training.seq_len < sp:
-        raise ConfigError(
-            f"training.seq_len ({config.training.seq_len}) must be at least parallelism.sp "
-            f"({sp}): every SP rank holds a slice of each sequence"
-        )
-    args, source = _model_args(config.model)
-    try:
-        check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), sp)
-    except ConfigError as error:
-        raise ConfigError(f"{error} ({source})") from None
-
-
-def _model_args(model: Model) -> tuple[Any, str]:
-    """The architecture's args (from ``model.hf_path``'s config.json, else the flavor) and
-    where they came from, for checks that depend on the model's sizes."""
-    from temper.models import get_model_spec
-    from temper.models.hf import read_hf_args
-
-    if model.hf_path is not None:
-        _, args = read_hf_args(model.hf_path)
-    else:
-        args = get_model_spec(model.name).flavors[model.flavor]
-    return args, model.hf_path or f"{model.name}/{model.flavor}"
-
-
-def _check_posttrain(config: Config) -> None:
-    """The objective exists and gets the data format it reads; LoRA sizes are sane."""
-    from temper.objectives.registry import objective_names
-
-    name = config.objective.name
-    if name not in objective_names():
-        raise ConfigError(
-            f"objective.name {name!r} is not registered; choose one of "
-            f"{', '.join(objective_names())}"
-        )
-    for objective, data_format in (("dpo", "preference"), ("grpo", "prompt")):
-        if (name == objective) != (config.data.format == data_format):
-            raise ConfigError(
-                f"objective.name {name!r} does not read data.format {config.data.format!r}: "
-                f"{objective} takes {data_format} data, and {data_format} data needs {objective}"
-            )
-    if name == "dpo" and config.parallelism.sp != 1:
-        raise ConfigError("parallelism.sp must be 1 with objective.name 'dpo' (not supported yet)")
-    if name == "grpo":
-        _check_grpo(config)
-    _check_positive(config, "objective.beta", "lora.rank", "lora.alpha", "data.builtin_examples")
-    _check_range(config, "objective.label_smoothing", 0.0, 0.5)
-    _check_range(config, "lora.dropout", 0.0, 1.0, right_open=True)
-
-
-def _check_grpo(config: Config) -> None:
-    """Rollouts fit the rows, groups can differ, every reward exists; SP and EP are refused:
-    decoding runs each rank on its own prompts, with no collective between tokens."""
-    from temper.generation.sampling import check_sampling
-    from temper.objectives.rewards import reward_names
-
+def _check_objective(config: Config) -> None:
+    """The objective is registered, its section is its own type, and it reads the data."""
     section = config.objective
-    for degree in ("sp", "ep"):
-        if getattr(config.parallelism, degree) != 1:
-            raise ConfigError(
-                f"parallelism.{degree} must be 1 with objective.name 'grpo': rollouts decode "
-                "each rank's prompts alone, without the per-token collectives it needs"
-            )
-    if section.group_size < 2:
+    expected = objective_config_type(section.name)
+    if type(section) is not expected and not issubclass(type(section), expected):
         raise ConfigError(
-            f"objective.group_size must be >= 2 (advantages compare a prompt's completions), "
-            f"got {section.group_size}"
+            f"objective.name {section.name!r} takes a {expected.__name__} section, got "
+            f"{type(section).__name__}: set objective = {expected.__name__}(...) in the recipe "
+            "or pass --objective.name before its fields"
         )
-    _check_positive(config, "objective.max_new_tokens", "objective.updates_per_rollout")
-    if section.max_new_tokens >= config.training.seq_len:
+    if config.data.format not in section.data_formats:
         raise ConfigError(
-            f"objective.max_new_tokens ({section.max_new_tokens}) must be below "
-            f"training.seq_len ({config.training.seq_len}): the prompt needs room"
-        )
-    try:  # the sampler's own rules; its messages start with the argument's name
-        check_sampling(section.temperature, section.top_k, section.top_p)
-    except ValueError as error:
-        raise ConfigError(f"objective.{error}") from None
-    _check_range(config, "objective.clip_eps", 0.0, 1.0, right_open=True)
-    if section.kl_coef < 0:
-        raise ConfigError(f"objective.kl_coef must be >= 0, got {section.kl_coef}")
-    if not section.rewards:
-        raise ConfigError("objective.rewards must name at least one reward")
-    unknown = [r for r in section.rewards if r not in reward_names()]
-    if unknown:
-        raise ConfigError(
-            f"objective.rewards: {', '.join(map(repr, unknown))} not registered; choose from "
-            f"{', '.join(reward_names())} or register one with @register_reward"
-        )
-    if section.reward_weights and len(section.reward_weights) != len(section.rewards):
-        raise ConfigError(
-            f"objective.reward_weights has {len(section.reward_weights)} values for "
-            f"{len(section.rewards)} objective.rewards"
+            f"objective.name {section.name!r} does not read data.format {config.data.format!r}: "
+            f"{section.name} takes {' or '.join(section.data_formats)} data"
         )

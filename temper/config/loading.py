@@ -15,7 +15,14 @@ from types import ModuleType
 
 import tyro
 
-from temper.config.config import Config, ConfigError
+from temper.config.config import (
+    Config,
+    ConfigError,
+    objective_config_names,
+    objective_config_type,
+)
+
+OBJECTIVE_FLAG = "--objective.name"
 
 
 def load_config(module: str, function: str, argv: Sequence[str] = ()) -> Config:
@@ -31,18 +38,50 @@ def load_config(module: str, function: str, argv: Sequence[str] = ()) -> Config:
         raise ConfigError(
             f"recipe {module}.{function} returned {type(config).__name__}, not a temper Config"
         )
+    _select_objective(config, argv)
     cli_type = _runtime_typed(type(config), config)
+    description = inspect.getdoc(recipe) or f"Recipe {module}.{function}"
     parsed = tyro.cli(
         cli_type,
         default=cli_type(**_sections(config)),
         args=list(argv),
         prog=f"{module}:{function}",
-        description=(inspect.getdoc(recipe) or f"Recipe {module}.{function}"),
+        description=f"{description}\n\n{_objectives_help(config)}",
         use_underscores=True,
     )
     config = type(config)(**_sections(parsed))
     config.validate()
     return config
+
+
+def _select_objective(config: Config, argv: Sequence[str]) -> None:
+    """Give the config the section type of the objective ``--objective.name`` names (else the
+    recipe's), so that tyro parses that objective's own fields and refuses the others'.
+    A recipe's section of the same objective keeps its values; another objective starts from
+    its defaults."""
+    name = _flag_value(argv, OBJECTIVE_FLAG) or config.objective.name
+    wanted = objective_config_type(name)
+    if not isinstance(config.objective, wanted):
+        config.objective = wanted()
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The last value given to ``flag`` (``--flag v`` or ``--flag=v``), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.partition("=")[2]
+    return value
+
+
+def _objectives_help(config: Config) -> str:
+    names = ", ".join(objective_config_names())
+    return (
+        f"Objectives: {names}. The --objective.* flags below are {config.objective.name}'s; "
+        f"`{OBJECTIVE_FLAG} NAME --help` lists another's."
+    )
 
 
 def save_config(config: Config, folder: str | os.PathLike[str]) -> Path:

@@ -11,7 +11,11 @@ from temper.data.tokenizer import Tokenizer
 
 
 class StatefulDataset(Protocol):
-    """Rows of equal-shaped tensors whose position is saved and restored by state dict."""
+    """Rows of equal-shaped tensors whose position is saved and restored by state dict, and
+    counts of what it did to the data (truncated or dropped samples), logged as
+    ``data_<name>``."""
+
+    stats: dict[str, int]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
 
@@ -40,6 +44,11 @@ class BatchLoader:
             if len(batch) < self.batch_size:
                 return
             yield {key: torch.stack([row[key] for row in batch]) for key in batch[0]}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The dataset's counts (see ``StatefulDataset``)."""
+        return self.dataset.stats
 
     def state_dict(self) -> dict:
         return self.dataset.state_dict()

@@ -12,7 +12,7 @@ dataset's saved position is unchanged by isolation. ``DocumentMask.from_position
 import torch
 import torch.nn.functional as F
 
-from temper.kernels.cross_entropy import IGNORE_INDEX
+from temper.data.batch import IGNORE_INDEX
 
 
 def document_position_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from temper.data.batch import IGNORE_INDEX
 from temper.data.chat import RecordError, check_messages, read_jsonl, tokenize_chat
 from temper.data.sft import (
     ExampleStream,
@@ -26,7 +27,6 @@ from temper.data.sft import (
     sample_labels,
 )
 from temper.data.tokenizer import Tokenizer
-from temper.kernels.cross_entropy import IGNORE_INDEX
 
 Pair = tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]
 """(prompt messages, chosen answer messages, rejected answer messages)."""

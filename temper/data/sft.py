@@ -23,9 +23,9 @@ from typing import Any, Literal
 
 import torch
 
+from temper.data.batch import IGNORE_INDEX
 from temper.data.chat import check_messages, read_jsonl, tokenize_chat
 from temper.data.tokenizer import Tokenizer
-from temper.kernels.cross_entropy import IGNORE_INDEX
 
 Policy = Literal["truncate", "drop"]
 Sample = tuple[list[int], list[bool]]

@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from temper.config import Data
+from temper.config import Config, Data
 from temper.data.chat import load_chat_template
-from temper.data.loader import BatchLoader
+from temper.data.loader import BatchLoader, build_text_loader
 from temper.data.preference import preference_dataset, read_preference_records
 from temper.data.prompts import PromptRecord, prompt_dataset, read_prompt_records
 from temper.data.sft import read_sft_records, sft_dataset
@@ -130,3 +130,30 @@ def build_chat_loader(
         )
         dataset = preference_dataset(pairs, tokenizer, template, seq_len, **common)
     return BatchLoader(dataset, batch_size)
+
+
+def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int) -> BatchLoader:
+    """This data rank's batches for ``data.format``: packed text, or chat (sft, preference,
+    prompt) data. Prompt rows leave room for the completion the objective samples."""
+    training = config.training
+    if config.data.format == "text":
+        return build_text_loader(
+            tokenizer,
+            training.seq_len,
+            training.local_batch_size,
+            path=config.data.path,
+            text_field=config.data.text_field,
+            seed=training.seed,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+        )
+    return build_chat_loader(
+        config.data,
+        tokenizer,
+        training.seq_len - config.objective.completion_tokens(),
+        training.local_batch_size,
+        seed=training.seed,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        tokenizer_folder=config.data.tokenizer_path or config.model.hf_path,
+    )

@@ -54,6 +54,7 @@ class TextDataset:
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"need 0 <= dp_rank < dp_world, got {dp_rank} and {dp_world}")
         self.tokenizer = tokenizer
+        self.stats: dict[str, int] = {}  # a text stream neither truncates nor drops
         self.seq_len = seq_len
         self.dp_rank = dp_rank
         self.dp_world = dp_world

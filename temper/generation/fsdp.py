@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from temper.utils.compat import fsdp_reshard_states, restore_fsdp_reshard_states
+
 
 @contextlib.contextmanager
 def gathered_weights(model: nn.Module) -> Iterator[None]:
@@ -17,28 +19,24 @@ def gathered_weights(model: nn.Module) -> Iterator[None]:
     steps). Memory: the whole model, gathered, on every rank. A model without FSDP is left as
     it is.
 
-    Units free their weights after each forward when ``reshard_after_forward`` is set; FSDP2
-    has no public getter for that setting, so it is cleared and restored on the units' param
-    groups directly. The root (``model`` itself) is left alone: FSDP2 already keeps its weights
-    after forward, and its first forward would overwrite the setting (lazy initialization).
+    Units free their weights after each forward when ``reshard_after_forward`` is set; it is
+    cleared with FSDP2's public setter and restored from what ``temper.utils.compat`` read
+    (FSDP2 has no public getter). The root (``model`` itself) is left alone: FSDP2 already
+    keeps its weights after forward, and its first forward would overwrite the setting
+    (lazy initialization).
     """
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    groups = [
-        group
-        for unit in units
-        if unit is not model
-        for group in unit._get_fsdp_state()._fsdp_param_groups
-    ]
-    saved = [group.post_forward_mesh_info for group in groups]
-    for group in groups:
-        group.post_forward_mesh_info = None
+    inner = [unit for unit in units if unit is not model]
+    saved = [fsdp_reshard_states(unit) for unit in inner]
+    for unit in inner:
+        unit.set_reshard_after_forward(False, recurse=False)
     try:
         handles = [unit.unshard(async_op=True) for unit in units]
         for handle in handles:
             handle.wait()
         yield
     finally:
-        for group, info in zip(groups, saved, strict=True):
-            group.post_forward_mesh_info = info
+        for unit, states in zip(inner, saved, strict=True):
+            restore_fsdp_reshard_states(unit, states)
         for unit in units:
             unit.reshard()

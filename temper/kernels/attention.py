@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.nn.attention.varlen import varlen_attn
 
+from temper.config import Config, ConfigError, register_rule
+from temper.utils.device import resolve_dtype
+
 Backend = Literal["auto", "sdpa", "flex", "varlen"]
 BACKENDS: tuple[Backend, ...] = ("auto", "sdpa", "flex", "varlen")
 
@@ -301,3 +304,14 @@ def _varlen(
 
 
 _BACKENDS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
+
+
+@register_rule
+def check_attention_backend(config: Config, world_size: int) -> None:
+    """A backend that this machine's training device lacks fails at config time, before any
+    work."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(config.training.dtype, device)
+    reason = backend_unavailable(config.model.attn, device, dtype, backward=True)
+    if reason is not None:
+        raise ConfigError(f"model.attn {config.model.attn!r}: {reason}")

@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 
+from temper.data.batch import IGNORE_INDEX
 from temper.kernels.dispatch import Impl, choose
 
-IGNORE_INDEX = -100
 DEFAULT_CHUNK_TOKENS = 1024
 
 

@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from temper.utils.compat import grouped_mm as torch_grouped_mm
+
 _ALIGN_BYTES = 16
 """torch._grouped_mm needs 16-byte aligned data pointers and leading strides (CPU too)."""
 
@@ -48,7 +50,7 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
 def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm``; its backward fails on a non-contiguous (e.g. expanded) gradient,
     so the output hands it a contiguous one."""
-    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offsets))
+    return _ContiguousGrad.apply(torch_grouped_mm(x, w, offs=offsets))
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -71,8 +73,7 @@ def _fast_path_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
         supported = _cpu_kernel_exists(x.dtype)
     else:
         supported = (
-            hasattr(torch, "_grouped_mm")
-            and x.is_cuda
+            x.is_cuda
             and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (8, 0)
         )
@@ -81,11 +82,9 @@ def _fast_path_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 @functools.cache
 def _cpu_kernel_exists(dtype: torch.dtype) -> bool:
-    """Older torch builds declare ``torch._grouped_mm`` but lack its CPU kernel: ask once."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
+    """Builds without the op's CPU kernel declare it all the same: ask once."""
     try:
-        torch._grouped_mm(
+        torch_grouped_mm(
             torch.ones(8, 8, dtype=dtype),
             torch.ones(1, 8, 8, dtype=dtype),
             offs=torch.tensor([8], dtype=torch.int32),

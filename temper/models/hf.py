@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from temper.models.layers.rope import RopeScaling, YarnScaling
+from temper.models.lora import LoRALinear, full_tensor, merged_weight
 from temper.models.registry import ModelSpec, all_model_specs, spec_of
 from temper.models.safetensors_io import (
     DEFAULT_SHARD_BYTES,
@@ -29,6 +30,7 @@ from temper.models.safetensors_io import (
     read_json,
     write_safetensors,
 )
+from temper.utils.compat import compute_local_shape_and_global_offset
 
 
 @dataclass(frozen=True)
@@ -160,15 +162,7 @@ def save_hf(
     """
     adapter = adapter_of(model)
     folder = Path(path)
-    params = _named_tensors(model)
-    hf_tensors: dict[str, torch.Tensor] = {}
-    for rule in _rules_of(model):
-        value = params[rule.native].detach()
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        parts = [value] if len(rule.hf) == 1 else list(value.unbind(0))
-        hf_tensors.update(zip(rule.hf, parts, strict=True))
-    write_safetensors(folder, hf_tensors, max_shard_bytes)
+    write_safetensors(folder, dict(hf_named_tensors(model)), max_shard_bytes)
     dtype = next(model.parameters()).dtype
     config = {**adapter.args_to_hf(model.args), **(extra_config or {})}
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -177,6 +171,22 @@ def save_hf(
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
     }
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every tensor of the model's HF checkpoint, gathering one
+    native parameter at a time (a collective on every rank when sharded), LoRA adapters merged
+    into their base weights: what an inference server loads, without a whole copy in memory."""
+    tensors = _named_tensors(model)
+    adapters = {
+        f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LoRALinear)
+    }
+    for rule in _rules_of(model):
+        value = full_tensor(tensors[rule.native].detach())
+        if rule.native in adapters:
+            value = merged_weight(value, adapters[rule.native])
+        parts = [value] if len(rule.hf) == 1 else list(value.unbind(0))
+        yield from zip(rule.hf, parts, strict=True)
 
 
 def adapter_of(model: nn.Module) -> HFAdapter:
@@ -217,8 +227,6 @@ def _read_rows(rule: KeyRule, tensors: SafetensorsFolder, rows: slice) -> torch.
 
 
 def _global_offset(param: DTensor) -> Sequence[int]:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     _, offset = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, param.placements
     )

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class LoRALinear(nn.Linear):
@@ -134,10 +135,21 @@ def merge_lora(model: nn.Module) -> nn.Module:
             device=module.weight.device,
             dtype=module.weight.dtype,
         )
-        delta = module.scale * (module.lora_b.float() @ module.lora_a.float())
-        merged.weight.copy_(module.weight.float() + delta)
+        merged.weight.copy_(merged_weight(module.weight, module))
         if module.bias is not None:
             merged.bias.copy_(module.bias)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, merged)
     return model
+
+
+def merged_weight(weight: torch.Tensor, module: LoRALinear) -> torch.Tensor:
+    """``W + scale * B A`` (computed in fp32) from the full base ``weight`` and ``module``'s
+    adapters, gathered here when sharded."""
+    a, b = (full_tensor(p.detach()) for p in (module.lora_a, module.lora_b))
+    return (weight.float() + module.scale * (b.float() @ a.float())).to(weight.dtype)
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective), or the tensor itself."""
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -1,13 +1,15 @@
 """Model families by name, so configs and user modules can name or add them."""
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from temper.config import Parallelism
+from temper.models.fit import check_decoder_layout
 from temper.utils.registry import Registry
 
 if TYPE_CHECKING:
@@ -18,13 +20,16 @@ if TYPE_CHECKING:
 class ModelSpec:
     """A model family: its named argument sets and the module built from one of them.
 
-    ``hf_adapter`` (a ``temper.models.hf.HFAdapter``) reads and writes HF folders.
+    ``hf_adapter`` (a ``temper.models.hf.HFAdapter``) reads and writes HF folders;
+    ``check_layout(args, parallelism)`` raises ConfigError when the degrees do not fit the
+    architecture (experts over EP, heads over SP).
     """
 
     name: str
     flavors: Mapping[str, Any]
     model_cls: type[nn.Module]
     hf_adapter: "HFAdapter | None" = None
+    check_layout: Callable[[Any, Parallelism], None] = check_decoder_layout
 
 
 _SPECS: Registry[ModelSpec] = Registry("model")

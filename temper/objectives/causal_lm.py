@@ -7,11 +7,15 @@ in chunks of tokens from the model's ``hidden_states`` and ``output.weight``, so
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from temper.config import Config, ConfigError, ObjectiveConfig
+from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, Batch
 from temper.kernels.attention import DocumentMask
 from temper.kernels.cross_entropy import (
     linear_cross_entropy,
@@ -19,37 +23,36 @@ from temper.kernels.cross_entropy import (
     log_probs_from_logits,
 )
 from temper.kernels.dispatch import kernel_settings
-
-IGNORE_INDEX = -100
-"""Label value of a position that does not count in the loss."""
-
-DOCUMENT_POSITIONS = "document_position_ids"
-"""Batch key of the whole sequence's positions when ``position_ids`` hold a sequence-parallel
-slice: documents are found on the whole sequence, which attention sees."""
-
-Batch = dict[str, torch.Tensor]
+from temper.models.protocols import RoutedModel
+from temper.objectives.registry import Metrics, Objective, register_objective
 
 
-class Objective(Protocol):
-    """What the trainer loop calls: a summed loss, its token count, extra metrics.
+@register_objective
+@dataclass
+class CausalLMConfig(ObjectiveConfig):
+    """``--objective.*`` of next-token prediction: pretraining (text) and SFT (sft) data."""
 
-    The trainer divides the sum by the valid-token count of the whole step (all ranks,
-    all micro-batches), so any layout gives the gradients of one big batch.
-    """
+    name: str = "causal_lm"
+    """Training objective, as registered with `temper.objectives.register_objective`:
+    causal_lm (pretraining, SFT), dpo or grpo."""
+    z_loss_weight: float = 0.0
+    """Weight of PaLM's z-loss, logsumexp(logits)^2 per valid token: keeps the softmax
+    normalizer near 1 (bf16 stability); 0 = off. Logged as z_loss."""
 
-    def loss(
-        self, model: nn.Module, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]: ...
+    data_formats: ClassVar[tuple[str, ...]] = ("text", "sft")
 
-    def count(self, batch: Batch) -> torch.Tensor:
-        """The units the loss sums over in ``batch`` (tokens; pairs for DPO)."""
-        ...
+    def validate(self, config: Config) -> None:
+        if self.z_loss_weight < 0:
+            raise ConfigError(f"objective.z_loss_weight must be >= 0, got {self.z_loss_weight}")
+
+    def build(self, config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
+        return CausalLM(self.z_loss_weight)
 
 
 class CausalLM:
     """Sum of next-token negative log-likelihoods over labels that are not ignored.
 
-    A model with ``aux_loss()`` (MoE load balancing) adds ``router_aux_loss_coef * aux`` per
+    A ``RoutedModel`` (MoE load balancing) adds ``router_aux_loss_coef * aux`` per
     valid token, so after the trainer's division the gradient carries coef x the token-weighted
     mean of aux over micro-batches and ranks, and one batch's loss equals HF's CE + coef * aux.
     ``z_loss_weight`` adds ``weight * logsumexp(logits)^2`` per valid token (PaLM's z-loss),
@@ -62,9 +65,7 @@ class CausalLM:
     def count(self, batch: Batch) -> torch.Tensor:
         return count_tokens(batch)
 
-    def loss(
-        self, model: nn.Module, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         labels = batch["labels"]
         args = (batch["input_ids"], batch.get("position_ids"), documents(batch))
         kernels = kernel_settings()
@@ -82,14 +83,14 @@ class CausalLM:
             z_sum = lse[labels != IGNORE_INDEX].pow(2).sum()
             loss_sum = -log_probs.sum() + self.z_loss_weight * z_sum
         n_tokens = count_tokens(batch)
-        metrics: dict[str, float] = {}
+        metrics: Metrics = {}
         if self.z_loss_weight:
-            metrics["z_loss"] = (z_sum / n_tokens.clamp(min=1)).item()
-        if hasattr(model, "aux_loss"):
+            metrics["z_loss"] = (z_sum / n_tokens.clamp(min=1)).detach()
+        if isinstance(model, RoutedModel):
             aux = model.aux_loss()
             loss_sum = loss_sum + model.args.router_aux_loss_coef * aux * n_tokens
-            metrics["aux_loss"] = aux.item()
-            metrics["moe_load_imbalance"] = model.load_imbalance().item()
+            metrics["aux_loss"] = aux.detach()
+            metrics["moe_load_imbalance"] = model.load_imbalance().detach()
         return loss_sum, n_tokens, metrics
 
 

@@ -14,17 +14,59 @@ metrics: chosen and rejected rewards, their margin, and how often chosen wins.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from temper.objectives.causal_lm import Batch, label_log_probs
+from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, check_range
+from temper.data.batch import Batch
+from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.registry import (
+    Metrics,
+    Objective,
+    ReferenceMode,
+    reference_policy,
+    register_objective,
+)
 
 LossType = Literal["sigmoid", "ipo"]
+
+
+@register_objective
+@dataclass
+class DPOConfig(ObjectiveConfig):
+    """``--objective.*`` of DPO / IPO on preference pairs."""
+
+    name: str = "dpo"
+    """Training objective, as registered with `temper.objectives.register_objective`."""
+    beta: float = 0.1
+    """Strength of the pull toward the reference (the KL coefficient)."""
+    label_smoothing: float = 0.0
+    """Sigmoid loss: assumed probability that a preference label is flipped."""
+    loss_type: LossType = "sigmoid"
+    """sigmoid (DPO) or ipo."""
+
+    data_formats: ClassVar[tuple[str, ...]] = ("preference",)
+
+    def validate(self, config: Config) -> None:
+        if config.parallelism.sp != 1:
+            raise ConfigError(
+                "parallelism.sp must be 1 with objective.name 'dpo' (not supported yet)"
+            )
+        check_positive(config, "objective.beta")
+        check_range(config, "objective.label_smoothing", 0.0, 0.5)
+
+    def build(self, config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
+        return DPO(
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            loss_type=self.loss_type,
+            **reference_policy(config, build_reference),
+        )
 
 
 def sequence_log_probs(
@@ -64,8 +106,7 @@ class DPO:
         label_smoothing: float = 0.0,
         loss_type: LossType = "sigmoid",
         reference: nn.Module | None = None,
-        reference_mode: Callable[[nn.Module], contextlib.AbstractContextManager[None]]
-        | None = None,
+        reference_mode: ReferenceMode | None = None,
     ) -> None:
         if (reference is None) == (reference_mode is None):
             raise ValueError("DPO needs exactly one of a reference model or a reference mode")
@@ -79,9 +120,7 @@ class DPO:
         """Pairs: the unit the loss is averaged over."""
         return torch.tensor(batch["chosen_input_ids"].shape[0])
 
-    def loss(
-        self, model: nn.Module, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         input_ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
         labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
         n = batch["chosen_input_ids"].shape[0]
@@ -104,9 +143,9 @@ class DPO:
         chosen = self.beta * (policy[:n] - ref[:n]).detach()
         rejected = self.beta * (policy[n:] - ref[n:]).detach()
         metrics = {
-            "rewards_chosen": chosen.mean().item(),
-            "rewards_rejected": rejected.mean().item(),
-            "reward_margin": (chosen - rejected).mean().item(),
-            "reward_accuracy": (chosen > rejected).float().mean().item(),
+            "rewards_chosen": chosen.mean(),
+            "rewards_rejected": rejected.mean(),
+            "reward_margin": (chosen - rejected).mean(),
+            "reward_accuracy": (chosen > rejected).float().mean(),
         }
         return losses.sum(), self.count(batch), metrics

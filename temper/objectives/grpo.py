@@ -19,18 +19,30 @@ held near the sampling policy by the clip.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, check_range
+from temper.data.batch import IGNORE_INDEX, Batch
+from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.prompts import decode_answer
-from temper.data.tokenizer import Tokenizer
+from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.generation import generate
-from temper.kernels.cross_entropy import IGNORE_INDEX, log_probs_from_logits
-from temper.objectives.causal_lm import Batch, label_log_probs
-from temper.objectives.rewards import Reward, exact_match
+from temper.generation.sampling import check_sampling
+from temper.kernels.cross_entropy import log_probs_from_logits
+from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.registry import (
+    Metrics,
+    Objective,
+    ReferenceMode,
+    reference_policy,
+    register_objective,
+)
+from temper.objectives.rewards import Reward, exact_match, get_reward, reward_names
 
 ADVANTAGE_EPS = 1e-4
 """Added to a group's reward std: a group whose rewards all agree gets advantage 0."""
@@ -69,6 +81,103 @@ def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+@register_objective
+@dataclass
+class GRPOConfig(ObjectiveConfig):
+    """``--objective.*`` of GRPO: rollouts sampled from prompts, rewarded, trained on."""
+
+    name: str = "grpo"
+    """Training objective, as registered with `temper.objectives.register_objective`."""
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are normalized within the group."""
+    max_new_tokens: int = 32
+    """The longest completion; prompts get training.seq_len minus this."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (0 is greedy)."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens; None = all."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 = off."""
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward functions registered with `temper.objectives.register_reward`, summed."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward; empty = all 1."""
+    clip_eps: float = 0.2
+    """The importance ratio is clipped to [1 - eps, 1 + eps] (PPO)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference model; 0 builds no reference."""
+    updates_per_rollout: int = 1
+    """Optimizer steps taken on each rollout batch (the first one is on-policy)."""
+
+    data_formats: ClassVar[tuple[str, ...]] = ("prompt",)
+
+    def validate(self, config: Config) -> None:
+        """Rollouts fit the rows, groups can differ, every reward exists; SP and EP are
+        refused: decoding runs each rank on its own prompts, with no collective between
+        tokens."""
+        for degree in ("sp", "ep"):
+            if getattr(config.parallelism, degree) != 1:
+                raise ConfigError(
+                    f"parallelism.{degree} must be 1 with objective.name 'grpo': rollouts "
+                    "decode each rank's prompts alone, without the per-token collectives it "
+                    "needs"
+                )
+        if self.group_size < 2:
+            raise ConfigError(
+                "objective.group_size must be >= 2 (advantages compare a prompt's "
+                f"completions), got {self.group_size}"
+            )
+        check_positive(config, "objective.max_new_tokens", "objective.updates_per_rollout")
+        if self.max_new_tokens >= config.training.seq_len:
+            raise ConfigError(
+                f"objective.max_new_tokens ({self.max_new_tokens}) must be below "
+                f"training.seq_len ({config.training.seq_len}): the prompt needs room"
+            )
+        try:  # the sampler's own rules; its messages start with the argument's name
+            check_sampling(self.temperature, self.top_k, self.top_p)
+        except ValueError as error:
+            raise ConfigError(f"objective.{error}") from None
+        check_range(config, "objective.clip_eps", 0.0, 1.0, right_open=True)
+        if self.kl_coef < 0:
+            raise ConfigError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
+        if not self.rewards:
+            raise ConfigError("objective.rewards must name at least one reward")
+        unknown = [r for r in self.rewards if r not in reward_names()]
+        if unknown:
+            raise ConfigError(
+                f"objective.rewards: {', '.join(map(repr, unknown))} not registered; choose "
+                f"from {', '.join(reward_names())} or register one with @register_reward"
+            )
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ConfigError(
+                f"objective.reward_weights has {len(self.reward_weights)} values for "
+                f"{len(self.rewards)} objective.rewards"
+            )
+
+    def completion_tokens(self) -> int:
+        return self.max_new_tokens
+
+    def build(self, config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
+        folder = config.data.tokenizer_path or config.model.hf_path
+        tokenizer = load_tokenizer(folder)
+        template = load_chat_template(config.data.chat_template, folder)
+        return GRPO(
+            tokenizer=tokenizer,
+            stop_tokens=stop_token_ids(tokenizer, template),
+            rewards={name: get_reward(name) for name in self.rewards},
+            reward_weights=self.reward_weights or [1.0] * len(self.rewards),
+            group_size=self.group_size,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            clip_eps=self.clip_eps,
+            kl_coef=self.kl_coef,
+            updates_per_rollout=self.updates_per_rollout,
+            **(reference_policy(config, build_reference) if self.kl_coef else {}),
+        )
+
+
 class GRPO:
     """GRPO with rollouts from the policy itself (see the module docstring)."""
 
@@ -88,8 +197,7 @@ class GRPO:
         kl_coef: float,
         updates_per_rollout: int,
         reference: nn.Module | None = None,
-        reference_mode: Callable[[nn.Module], contextlib.AbstractContextManager[None]]
-        | None = None,
+        reference_mode: ReferenceMode | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
@@ -137,7 +245,7 @@ class GRPO:
         )
         model.train(was_training)
 
-        input_ids, labels = _training_rows(rows, out.tokens, out.lengths)
+        input_ids, labels = rollout_rows(rows, out.tokens, out.lengths)
         old, entropy = _log_probs_and_entropy(model, input_ids, labels, self.loss_temperature)
         completion = labels != IGNORE_INDEX
         sampler = torch.zeros_like(old)
@@ -166,9 +274,7 @@ class GRPO:
         }
         return batch, metrics
 
-    def loss(
-        self, model: nn.Module, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         labels = batch["labels"]
         completion = labels != IGNORE_INDEX
         log_probs = label_log_probs(
@@ -178,11 +284,11 @@ class GRPO:
             log_probs, batch["old_log_probs"], batch["advantages"], self.clip_eps
         )
         n_tokens = completion.sum().clamp(min=1)
-        metrics = {"clip_fraction": (clipped & completion).sum().item() / n_tokens.item()}
+        metrics = {"clip_fraction": (clipped & completion).sum() / n_tokens}
         if self.kl_coef:
             kl = k3_kl(log_probs, batch["ref_log_probs"])
             per_token = per_token + self.kl_coef * kl
-            metrics["kl"] = (kl.detach()[completion].sum() / n_tokens).item()
+            metrics["kl"] = kl.detach()[completion].sum() / n_tokens
         return per_token[completion].sum(), self.count(batch), metrics
 
     def _score(
@@ -223,7 +329,7 @@ def _completion_mask(lengths: torch.Tensor, max_new_tokens: int) -> torch.Tensor
     return torch.arange(max_new_tokens, device=lengths.device) < lengths[:, None]
 
 
-def _training_rows(
+def rollout_rows(
     prompts: list[torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt + completion as right-padded rows of inputs and next-token labels that train

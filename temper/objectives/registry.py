@@ -1,49 +1,75 @@
-"""Objectives by name: the config's ``objective.name`` picks a builder registered here.
+"""Objectives by name: ``--objective.name`` picks a registered config section, whose
+``build`` makes the objective.
 
-A user module (the recipe's MODULE) can add its own with ``@register_objective("name")``.
-A builder gets the run's Config and a function that builds a frozen reference model (a copy
-of the policy, sharded like it); only objectives that need one call it.
+A user module (the recipe's MODULE) adds its own objective by decorating its config section,
+a dataclass subclass of ``temper.config.ObjectiveConfig`` beside its loss, with
+``@register_objective``: its fields then get ``--objective.*`` flags and help like the
+built-in ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
-from temper.config import Config
-from temper.data.chat import load_chat_template, stop_token_ids
-from temper.data.tokenizer import load_tokenizer
+from temper.config import (
+    Config,
+    ObjectiveConfig,
+    objective_config_names,
+    objective_config_type,
+    register_objective_config,
+)
+from temper.data.batch import Batch
 from temper.models.lora import adapters_disabled
-from temper.objectives.causal_lm import CausalLM, Objective
-from temper.objectives.dpo import DPO
-from temper.objectives.grpo import GRPO
-from temper.objectives.rewards import get_reward
-from temper.utils.registry import Registry
 
-Builder = Callable[[Config, Callable[[], nn.Module]], Objective]
+register_objective = register_objective_config
+"""``@register_objective`` on an ObjectiveConfig subclass makes it a choice of
+``objective.name`` (its ``name`` default)."""
 
-_OBJECTIVES: Registry[Builder] = Registry("objective")
-register_objective = _OBJECTIVES.decorator
-"""``@register_objective("name")`` makes a builder a choice of ``objective.name``."""
-objective_names = _OBJECTIVES.names
+Metrics = dict[str, torch.Tensor]
+"""An objective's step metrics: 0-d tensors that stay on the device until a log step."""
 
 
-def build_objective(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
-    """The objective ``objective.name`` names (``Config.validate`` has checked the name)."""
-    return _OBJECTIVES.get(config.objective.name)(config, build_reference)
+class Objective(Protocol):
+    """What a training loop calls: a summed loss, its count, and metrics.
+
+    The loop divides the sum by the count of the whole step (all ranks, all micro-batches),
+    so any layout gives the gradients of one big batch.
+    """
+
+    def loss(
+        self, model: nn.Module, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, Metrics]: ...
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        """The units the loss sums over in ``batch`` (tokens; pairs for DPO)."""
+        ...
 
 
-@register_objective("causal_lm")
-def _causal_lm(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
-    return CausalLM()
+@runtime_checkable
+class RolloutObjective(Objective, Protocol):
+    """An objective that makes its own training batch from prompts (RL): ``prepare`` samples a
+    rollout and scores it; the loop trains ``updates_per_rollout`` steps on each."""
+
+    updates_per_rollout: int
+
+    def prepare(
+        self, model: nn.Module, prompts: Batch, generator: torch.Generator
+    ) -> tuple[Batch, dict[str, float]]: ...
 
 
-def _reference(
+ReferenceMode = Callable[[nn.Module], contextlib.AbstractContextManager[None]]
+
+
+def reference_policy(
     config: Config, build_reference: Callable[[], nn.Module]
-) -> dict[str, nn.Module | Callable | None]:
-    """With LoRA the base weights never change: the policy with adapters off is the reference;
-    otherwise a frozen copy."""
+) -> dict[str, nn.Module | ReferenceMode | None]:
+    """The frozen reference as DPO and GRPO take it: with LoRA the base weights never change,
+    so the policy with adapters off is the reference; otherwise a frozen copy."""
     lora = config.lora.enable
     return {
         "reference": None if lora else build_reference(),
@@ -51,35 +77,11 @@ def _reference(
     }
 
 
-@register_objective("dpo")
-def _dpo(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
-    section = config.objective
-    return DPO(
-        beta=section.beta,
-        label_smoothing=section.label_smoothing,
-        loss_type=section.loss_type,
-        **_reference(config, build_reference),
-    )
+def build_objective(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
+    """The objective ``objective.name`` names, built by its section."""
+    section: ObjectiveConfig = config.objective
+    objective_config_type(section.name)  # a clear error for an unregistered name
+    return section.build(config, build_reference)
 
 
-@register_objective("grpo")
-def _grpo(config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
-    section = config.objective
-    folder = config.data.tokenizer_path or config.model.hf_path
-    tokenizer = load_tokenizer(folder)
-    template = load_chat_template(config.data.chat_template, folder)
-    return GRPO(
-        tokenizer=tokenizer,
-        stop_tokens=stop_token_ids(tokenizer, template),
-        rewards={name: get_reward(name) for name in section.rewards},
-        reward_weights=section.reward_weights or [1.0] * len(section.rewards),
-        group_size=section.group_size,
-        max_new_tokens=section.max_new_tokens,
-        temperature=section.temperature,
-        top_k=section.top_k,
-        top_p=section.top_p,
-        clip_eps=section.clip_eps,
-        kl_coef=section.kl_coef,
-        updates_per_rollout=section.updates_per_rollout,
-        **(_reference(config, build_reference) if section.kl_coef else {}),
-    )
+objective_names = objective_config_names

@@ -3,6 +3,8 @@ rollout metrics."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -15,17 +17,23 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def combine_metrics(parts: list[dict[str, float]], device: torch.device) -> dict[str, float]:
+def combine_metrics(
+    parts: Sequence[Mapping[str, torch.Tensor | float]], device: torch.device
+) -> dict[str, torch.Tensor]:
     """One value per name over every part on every rank: the mean, or the maximum for names
-    ending in ``_max``. Every rank must pass parts with the same names."""
+    ending in ``_max``. Every rank must pass parts with the same names. The results stay on
+    ``device`` (no host sync)."""
     names = sorted(parts[0])
-    peak = torch.tensor([max(p[n] for p in parts) for n in names], device=device)
-    total = torch.tensor([sum(p[n] for p in parts) for n in names], device=device)
+    values = torch.stack(
+        [
+            torch.stack([torch.as_tensor(p[n], dtype=torch.float32, device=device) for n in names])
+            for p in parts
+        ]
+    )
+    peak, total = values.max(dim=0).values, values.sum(dim=0)
     count = len(parts)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         count *= dist.get_world_size()
-    return {
-        n: (peak[i] if n.endswith("_max") else total[i] / count).item() for i, n in enumerate(names)
-    }
+    return {n: peak[i] if n.endswith("_max") else total[i] / count for i, n in enumerate(names)}

@@ -11,21 +11,23 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from temper.config.config import ConfigError, Parallelism
+from temper.config import Config, ConfigError, Parallelism, Training, register_rule
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees whose product is the world size (``dp_shard`` is never -1 here)."""
+    """Resolved degrees whose product is the world size (``dp_shard`` is never -1 here), and
+    this process's rank in that world."""
 
     dp_replicate: int
     dp_shard: int
     sp: int
     ep: int
     world_size: int
+    rank: int = 0
 
     @classmethod
-    def from_config(cls, parallelism: Parallelism, world_size: int) -> ParallelDims:
+    def from_config(cls, parallelism: Parallelism, world_size: int, rank: int = 0) -> ParallelDims:
         """Resolve ``dp_shard = -1`` to the rest of the world and check every rule.
 
         Runs before any model or process group exists; errors name fields and numbers.
@@ -55,7 +57,7 @@ class ParallelDims:
                 f"({dp_shard} x {p.sp} = {dp_shard * p.sp}): experts are split within one "
                 "FSDP group"
             )
-        return cls(p.dp_replicate, dp_shard, p.sp, p.ep, world_size)
+        return cls(p.dp_replicate, dp_shard, p.sp, p.ep, world_size, rank)
 
     @property
     def dp(self) -> int:
@@ -77,6 +79,17 @@ class ParallelDims:
     def sharded(self) -> bool:
         """Whether parameters are sharded: FSDP2 applies to every world larger than one."""
         return self.world_size > 1
+
+    def grad_accum_steps(self, training: Training) -> int:
+        """Micro-batches per optimizer step: ``global_batch_size / (local x dp)``."""
+        if training.global_batch_size == -1:
+            return 1
+        return training.global_batch_size // (training.local_batch_size * self.dp)
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data shard (``data_rank`` of ``rank``)."""
+        return self.data_rank(self.rank)
 
     def data_rank(self, rank: int) -> int:
         """This rank's index among the `dp` data shards; the ranks of one SP group share it."""
@@ -120,3 +133,22 @@ class Meshes:
     def fsdp(self) -> DeviceMesh:
         """The mesh `fully_shard` takes: 2-D (HSDP) with replicas, else the 1-D shard mesh."""
         return self.hsdp if self.hsdp["dp_replicate"].size() > 1 else self.hsdp["fsdp"]
+
+
+@register_rule
+def check_parallelism(config: Config, world_size: int) -> None:
+    """The degrees fit the world, the global batch splits over data ranks, and EP's host-read
+    split sizes are not asked of a compiled block."""
+    dp = ParallelDims.from_config(config.parallelism, world_size).dp
+    local, global_ = config.training.local_batch_size, config.training.global_batch_size
+    if global_ != -1 and (global_ <= 0 or global_ % (local * dp)):
+        raise ConfigError(
+            f"training.global_batch_size ({global_}) must be -1 or a positive multiple of "
+            f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
+        )
+    ep = config.parallelism.ep
+    if ep > 1 and config.compile.enable:
+        raise ConfigError(
+            f"compile.enable with parallelism.ep = {ep}: the all-to-all dispatch reads its split "
+            "sizes on the host, which a full-graph compiled block cannot; turn one off"
+        )

@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from temper.models.layers.moe import MoE
+from temper.utils.compat import all_to_all_single_autograd
 
 
 class AllToAllDispatcher:

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from temper.utils.compat import foreach_mul_, foreach_norm
+
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Scale every gradient by one factor so the global norm is at most `max_norm`
@@ -30,7 +32,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     squares, shards = [], []
     for key, grads in groups.items():
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        square = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64)).square().sum()
+        square = torch.stack(foreach_norm(local, 2, dtype=torch.float64)).square().sum()
         if key is not None:
             mesh, placements = key
             # Not `is_shard()`: FSDP over an expert-parallel shard places `_StridedShard`,
@@ -43,5 +45,5 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
         return torch.zeros(())
     total = torch.stack(squares).sum().sqrt().float()
     if math.isfinite(max_norm):
-        torch._foreach_mul_(shards, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        foreach_mul_(shards, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from temper.utils.compat import OpOverload, TorchDispatchMode
 
 _TO_PYTHON = {torch.ops.aten.is_nonzero.default, torch.ops.aten._local_scalar_dense.default}
 
@@ -28,7 +29,7 @@ def layout_invariant_init() -> AbstractContextManager[Any]:
 class _FullTensorDraws(TorchDispatchMode):
     def __torch_dispatch__(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         types: tuple[type, ...],
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,

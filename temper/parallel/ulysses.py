@@ -20,31 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from temper.config import ConfigError
+from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, Batch
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.attention import attention as causal_attention
+from temper.models.fit import check_heads
 from temper.models.layers.moe import MoE, RoutingStats, tokens_per_expert
-from temper.objectives.causal_lm import DOCUMENT_POSITIONS, IGNORE_INDEX, Batch
+from temper.utils.compat import all_to_all_single_autograd
 
 PAD_POSITION = -1
 """Position of a padding token: never its predecessor's + 1, so each pad is its own document."""
-
-
-def check_heads(n_heads: int, n_kv_heads: int, sp: int) -> None:
-    """Heads must split evenly over SP ranks; KV heads fewer than SP are replicated, so SP must
-    then be a multiple of them (each rank gets one copy of one KV head)."""
-    if n_heads % sp:
-        raise ConfigError(
-            f"parallelism.sp ({sp}) must divide the model's attention heads ({n_heads}): "
-            "Ulysses gives each SP rank the same number of heads"
-        )
-    if n_kv_heads % sp and sp % n_kv_heads:
-        raise ConfigError(
-            f"parallelism.sp ({sp}) and the model's KV heads ({n_kv_heads}) must divide one "
-            "another: KV heads are split over SP ranks, or replicated when fewer than SP"
-        )
 
 
 def shard_batch(batch: Batch, rank: int, size: int) -> Batch:

@@ -23,18 +23,18 @@ from temper.config import (
     LoRA,
     LRScheduler,
     Model,
-    Objective,
     Optimizer,
     Training,
 )
+from temper.data.batch import IGNORE_INDEX
 from temper.data.chat import BUILTIN_TEMPLATE, render_chat, stop_token_ids
 from temper.data.loader import BatchLoader
 from temper.data.preference import preference_dataset
 from temper.data.sft import sft_dataset
 from temper.data.tasks import preference_pairs, sft_conversations, task_prompts
 from temper.generation.evaluate import greedy_answers
-from temper.kernels.cross_entropy import IGNORE_INDEX
-from temper.objectives.dpo import sequence_log_probs
+from temper.objectives.dpo import DPOConfig, sequence_log_probs
+from temper.objectives.grpo import GRPOConfig
 from temper.objectives.rewards import exact_match
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def dpo_debug() -> Config:
         optimizer=Optimizer(lr=1e-3, weight_decay=0.0),
         lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
         data=Data(format="preference"),
-        objective=Objective(name="dpo", beta=1.0),
+        objective=DPOConfig(beta=1.0),
         lora=LoRA(enable=True, rank=8, alpha=16.0),
     )
 
@@ -98,8 +98,7 @@ def grpo_debug() -> Config:
         optimizer=Optimizer(lr=1e-3, weight_decay=0.0),
         lr_scheduler=LRScheduler(warmup_steps=0, decay="linear", min_lr_ratio=1.0),
         data=Data(format="prompt"),
-        objective=Objective(
-            name="grpo",
+        objective=GRPOConfig(
             group_size=8,
             max_new_tokens=16,
             temperature=1.0,
@@ -122,15 +121,15 @@ def greedy_scores(trainer: Trainer, count: int = EVAL_EXAMPLES) -> dict[str, flo
     template = BUILTIN_TEMPLATE
     records = task_prompts(config.training.seed, "eval", count)
     prompts = [
-        trainer.tokenizer.encode(render_chat(template, messages, add_generation_prompt=True))
+        trainer.engine.tokenizer.encode(render_chat(template, messages, add_generation_prompt=True))
         for messages, _ in records
     ]
     answers = greedy_answers(
-        trainer.model,
+        trainer.engine.model,
         prompts,
-        trainer.tokenizer.decode,
+        trainer.engine.tokenizer.decode,
         max_new_tokens=config.objective.max_new_tokens,
-        stop_tokens=stop_token_ids(trainer.tokenizer, template),
+        stop_tokens=stop_token_ids(trainer.engine.tokenizer, template),
     )
     hits = [exact_match("", got, want) for got, (_, want) in zip(answers, records, strict=True)]
     return {"exact_match": sum(hits) / len(hits)}
@@ -142,23 +141,23 @@ def sft_scores(trainer: Trainer, count: int = EVAL_EXAMPLES) -> dict[str, float]
     config = trainer.config
     dataset = sft_dataset(
         sft_conversations(config.training.seed, "eval", count),
-        trainer.tokenizer,
+        trainer.engine.tokenizer,
         BUILTIN_TEMPLATE,
         config.training.seq_len,
         pack=False,
         seed=0,
     )
-    trainer.model.eval()
+    trainer.engine.model.eval()
     exact = right = tokens = 0
     batches = iter(BatchLoader(dataset, 32))
     for _ in range(count // 32):
-        batch = _to(next(batches), trainer.device)
-        hits = trainer.model(batch["input_ids"]).argmax(-1) == batch["labels"]
+        batch = _to(next(batches), trainer.engine.device)
+        hits = trainer.engine.model(batch["input_ids"]).argmax(-1) == batch["labels"]
         trained = batch["labels"] != IGNORE_INDEX
         exact += int((hits | ~trained).all(-1).sum())
         right += int((hits & trained).sum())
         tokens += int(trained.sum())
-    trainer.model.train()
+    trainer.engine.model.train()
     return {"exact_match": exact / (count // 32 * 32), "token_accuracy": right / tokens}
 
 
@@ -169,29 +168,29 @@ def dpo_reward_scores(trainer: Trainer, count: int = EVAL_EXAMPLES) -> dict[str,
     config = trainer.config
     dataset = preference_dataset(
         preference_pairs(config.training.seed, "eval", count),
-        trainer.tokenizer,
+        trainer.engine.tokenizer,
         BUILTIN_TEMPLATE,
         config.training.seq_len,
         seed=0,
     )
-    trainer.model.eval()
+    trainer.engine.model.eval()
     totals: dict[str, float] = {}
     batches = iter(BatchLoader(dataset, 32))
     n = count // 32
     for _ in range(n):
-        batch = _to(next(batches), trainer.device)
-        _, _, metrics = trainer.objective.loss(trainer.model, batch)
+        batch = _to(next(batches), trainer.engine.device)
+        _, _, metrics = trainer.objective.loss(trainer.engine.model, batch)
         # The policy's own preference, without the reference: log p(chosen) > log p(rejected).
         chosen = sequence_log_probs(
-            trainer.model, batch["chosen_input_ids"], batch["chosen_labels"]
+            trainer.engine.model, batch["chosen_input_ids"], batch["chosen_labels"]
         )
         rejected = sequence_log_probs(
-            trainer.model, batch["rejected_input_ids"], batch["rejected_labels"]
+            trainer.engine.model, batch["rejected_input_ids"], batch["rejected_labels"]
         )
         metrics["policy_prefers_chosen"] = (chosen > rejected).float().mean().item()
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + value / n
-    trainer.model.train()
+    trainer.engine.model.train()
     return totals
 
 

@@ -1,5 +1,6 @@
-"""The trainer loop and its metrics."""
+"""The trainer loop on the Engine, its state and its metrics."""
 
-from temper.trainer.trainer import NonFiniteError, Trainer
+from temper.engine import NonFiniteError
+from temper.trainer.trainer import Trainer
 
 __all__ = ["NonFiniteError", "Trainer"]

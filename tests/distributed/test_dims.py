@@ -11,7 +11,7 @@ import pytest
 import torch
 from harness import run_on_ranks
 
-from temper.config import Config, ConfigError, Parallelism
+from temper.config import ConfigError, Parallelism
 from temper.data import build_text_loader, load_tokenizer
 from temper.parallel.dims import ParallelDims
 from temper.recipes.llama3 import llama3_debug
@@ -139,8 +139,3 @@ def test_meshes_group_the_ranks_of_each_dimension() -> None:
     assert all(g["fsdp_mesh_dims"] == ("dp_replicate", "fsdp") for g in hsdp)
     assert [g["data_rank"] for g in hsdp] == [0, 1, 2, 3]
     assert all("ep" not in g for g in hsdp)
-
-
-def test_config_and_dims_agree_on_the_data_parallel_size() -> None:
-    config = Config(parallelism=Parallelism(dp_replicate=2, sp=2))
-    assert config.data_parallel_size(8) == dims(8, dp_replicate=2, sp=2).dp == 4

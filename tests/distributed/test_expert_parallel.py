@@ -110,7 +110,7 @@ def _expert_shards(config: Config) -> tuple[dict[str, torch.Tensor], list[str], 
     from temper.models.layers.moe import GroupedExperts
     from temper.trainer import Trainer
 
-    model = Trainer(config).model
+    model = Trainer(config).engine.model
     shards = {
         f"{name}.{p_name}": p.to_local() if isinstance(p, DTensor) else p.detach()
         for name, m in model.named_modules()

@@ -62,7 +62,7 @@ def _train(config: Config) -> list[dict[str, float]] | None:
 
     trainer = Trainer(config)
     trainer.train()
-    if not trainer.runtime.is_main:
+    if not trainer.engine.runtime.is_main:
         return None
     path = Path(config.job.dump_folder) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]

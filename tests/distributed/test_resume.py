@@ -42,22 +42,22 @@ def _train_rank(config: Config, crash_after: int | None) -> dict | None:
         step = trainer.train_step
 
         def crashing_step(micro_batches):
-            if trainer.step == crash_after:
+            if trainer.state.step == crash_after:
                 raise SimulatedCrash(f"killed before step {crash_after + 1}")
             return step(micro_batches)
 
         trainer.train_step = crashing_step
-    resumed_from = trainer.step
+    resumed_from = trainer.state.step
     with contextlib.suppress(SimulatedCrash):
         trainer.train()
-    if not trainer.runtime.is_main:
+    if not trainer.engine.runtime.is_main:
         return None
     metrics = Path(config.job.dump_folder) / "metrics.jsonl"
     return {
         "rows": [json.loads(line) for line in metrics.read_text().splitlines()],
         "resumed_from": resumed_from,
         "next_row": trainer.loader.state_dict()["row"],
-        "tokens_seen": trainer.tokens_seen,
+        "tokens_seen": trainer.state.tokens_seen,
     }
 
 

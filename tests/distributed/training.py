@@ -84,9 +84,9 @@ def _train_rank(config: Config) -> Run | None:
 
     trainer = Trainer(config)
     trainer.train()
-    if not trainer.runtime.is_main:
+    if not trainer.engine.runtime.is_main:
         return None
-    model = trainer.model
+    model = trainer.engine.model
     metrics = Path(config.job.dump_folder) / "metrics.jsonl"
     return Run(
         rows=[json.loads(line) for line in metrics.read_text().splitlines()],

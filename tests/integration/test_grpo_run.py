@@ -36,9 +36,11 @@ def _held_out_reward(trainer: Trainer) -> float:
     config = trainer.config
     width = config.training.seq_len - config.objective.max_new_tokens
     records = task_prompts(config.training.seed, "eval", 32)
-    dataset = prompt_dataset(records, trainer.tokenizer, BUILTIN_TEMPLATE, width)
+    dataset = prompt_dataset(records, trainer.engine.tokenizer, BUILTIN_TEMPLATE, width)
     prompts = next(iter(BatchLoader(dataset, 32)))
-    _, metrics = trainer.objective.prepare(trainer.model, prompts, torch.Generator().manual_seed(0))
+    _, metrics = trainer.objective.prepare(
+        trainer.engine.model, prompts, torch.Generator().manual_seed(0)
+    )
     return metrics["reward_mean"]
 
 
@@ -76,7 +78,7 @@ def test_initial_recipe_trains_the_start_once_and_loads_it(tmp_path: Path) -> No
     start = tmp_path / "initial" / "checkpoints" / "step-3"  # the override applied
     assert trainer.config.checkpoint.initial_load == str(start)
     saved = load_checkpoint_model(start).state_dict()
-    weights = trainer.model.state_dict()  # the saved base weights, plus fresh LoRA adapters
+    weights = trainer.engine.model.state_dict()  # the saved base weights, plus fresh LoRA adapters
     assert {name for name in weights if "lora_" not in name} == saved.keys()
     for name, value in saved.items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=0)

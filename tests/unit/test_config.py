@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from temper.config import Config, ConfigError, Training, load_config, save_config
+from temper.parallel.dims import ParallelDims
 from temper.recipes.llama3 import llama3_debug
 
 MODULE, RECIPE = "temper.recipes.llama3", "llama3_debug"
@@ -184,10 +185,11 @@ def test_validation_runs_on_cli_values() -> None:
 def test_global_batch_and_accumulation() -> None:
     config = Config(training=Training(local_batch_size=4, global_batch_size=32))
     config.validate(world_size=2)
-    assert config.data_parallel_size(2) == 2
-    assert config.grad_accum_steps(2) == 4  # 32 / (4 x 2)
+    dims = ParallelDims.from_config(config.parallelism, 2)
+    assert dims.dp == 2
+    assert dims.grad_accum_steps(config.training) == 4  # 32 / (4 x 2)
     config.training.global_batch_size = -1
-    assert config.grad_accum_steps(2) == 1
+    assert dims.grad_accum_steps(config.training) == 1
     config.training.global_batch_size = 12
     with pytest.raises(ConfigError, match=r"global_batch_size \(12\).*\(4 x 2 = 8\)"):
         config.validate(world_size=2)
@@ -197,10 +199,10 @@ def test_sp_and_ep_are_not_data_parallel() -> None:
     config = Config()
     config.parallelism.sp = 2
     config.parallelism.ep = 4
-    assert config.data_parallel_size(8) == 4
+    assert ParallelDims.from_config(config.parallelism, 8).dp == 4
     config.parallelism.dp_shard = 3
     with pytest.raises(ConfigError, match="1 x 3 x 2 does not equal the world size 8"):
-        config.data_parallel_size(8)
+        ParallelDims.from_config(config.parallelism, 8)
 
 
 def test_sp_checks_heads_and_sequence_length() -> None:

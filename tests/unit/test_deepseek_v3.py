@@ -22,6 +22,7 @@ from temper.models.layers.moe import (
     update_expert_bias,
 )
 from temper.models.layers.rope import rope_inv_freq
+from temper.models.protocols import PostStepHook
 from temper.objectives import CausalLM
 
 
@@ -301,9 +302,9 @@ def test_expert_bias_update_by_hand() -> None:
     assert routers[0].load.sum() == 0
 
 
-def test_expert_bias_update_sums_counts_over_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With torch.distributed up, one all-reduce over the given group sums every router's
-    counts first: here another rank's counts turn expert 1 from under- to overloaded."""
+def test_expert_bias_update_sums_counts_over_the_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With torch.distributed up, one all-reduce over the world sums every router's counts
+    first: here another rank's counts turn expert 1 from under- to overloaded."""
     calls = []
 
     def all_reduce(tensor: torch.Tensor, group: object = None) -> None:
@@ -313,8 +314,8 @@ def test_expert_bias_update_sums_counts_over_the_group(monkeypatch: pytest.Monke
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     routers = _routers([[4, 0, 2, 2], [1, 1, 1, 5]])
-    update_expert_bias(routers, 0.5, group="dp")
-    assert calls == ["dp"]
+    update_expert_bias(routers, 0.5)
+    assert calls == [None]
     # Sums [4, 6, 2, 4] (mean 4) and [3, 3, 3, 7] (mean 4).
     assert routers[0].expert_bias.tolist() == [0.0, -0.5, 0.5, 0.0]
     assert routers[1].expert_bias.tolist() == [0.5, 0.5, 0.5, -0.5]
@@ -336,7 +337,8 @@ def test_training_forwards_count_the_load_the_model_update_reads() -> None:
     for moe in moes:
         assert torch.equal(moe.router.load, 2 * moe.routing.tokens_per_expert)
     loads = [moe.router.load.float() for moe in moes]
-    model.update_expert_bias(FLAVORS["debug"].expert_bias_update_rate)
+    assert isinstance(model, PostStepHook)
+    model.after_optimizer_step()  # moves by args.expert_bias_update_rate
     for moe, load in zip(moes, loads, strict=True):
         torch.testing.assert_close(moe.router.expert_bias, 1e-3 * torch.sign(load.mean() - load))
         assert moe.router.load.sum() == 0

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from temper.data.batch import IGNORE_INDEX
 from temper.generation import KVCache, generate, sample_next
 from temper.kernels.attention import AttentionBackendError, attention
-from temper.kernels.cross_entropy import IGNORE_INDEX, linear_log_probs
+from temper.kernels.cross_entropy import linear_log_probs
 from temper.models import get_model_spec, load_hf, materialize
 from temper.objectives.causal_lm import documents
 

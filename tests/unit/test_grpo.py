@@ -11,20 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from temper.config import Config, ConfigError, Data, Objective, Training
+from temper.config import Config, ConfigError, Data, Training
+from temper.data.batch import IGNORE_INDEX
 from temper.data.chat import BUILTIN_TEMPLATE, RecordError, stop_token_ids
 from temper.data.prompts import decode_answer, prompt_dataset, read_prompt_records
 from temper.data.tokenizer import load_tokenizer
-from temper.kernels.cross_entropy import IGNORE_INDEX
 from temper.models import build_model, materialize
 from temper.objectives.causal_lm import label_log_probs
 from temper.objectives.grpo import (
     ADVANTAGE_EPS,
     GRPO,
-    _training_rows,
+    GRPOConfig,
     clipped_token_loss,
     group_advantages,
     k3_kl,
+    rollout_rows,
 )
 from temper.objectives.rewards import exact_match, item_match, list_format, register_reward
 
@@ -55,7 +56,7 @@ def test_training_rows_train_on_the_completion_and_its_stop_token() -> None:
     prompts = [torch.tensor([7, 8, 9]), torch.tensor([4])]
     tokens = torch.tensor([[20, 21, 5, 0], [30, 31, 32, 33]])  # row 0 stopped on 5
     lengths = torch.tensor([3, 4])
-    ids, labels = _training_rows(prompts, tokens, lengths)  # as wide as row 0 needs: 3 + 3 - 1
+    ids, labels = rollout_rows(prompts, tokens, lengths)  # as wide as row 0 needs: 3 + 3 - 1
     assert ids.tolist() == [[7, 8, 9, 20, 21], [4, 30, 31, 32, 0]]
     ig = IGNORE_INDEX
     assert labels.tolist() == [[ig, ig, 20, 21, 5], [30, 31, 32, 33, ig]]
@@ -81,7 +82,7 @@ def test_a_registered_reward_is_a_config_choice_and_an_unknown_one_fails() -> No
         return Config(
             training=Training(seq_len=48),
             data=Data(format="prompt"),
-            objective=Objective(name="grpo", rewards=rewards, max_new_tokens=16),
+            objective=GRPOConfig(rewards=rewards, max_new_tokens=16),
         )
 
     config(["test_grpo_always_one", "exact_match"]).validate(1)
@@ -94,9 +95,9 @@ def test_a_registered_reward_is_a_config_choice_and_an_unknown_one_fails() -> No
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"objective": Objective(name="grpo", group_size=1)}, "objective.group_size must be >= 2"),
+        ({"objective": GRPOConfig(group_size=1)}, "objective.group_size must be >= 2"),
         (
-            {"objective": Objective(name="grpo", max_new_tokens=64)},
+            {"objective": GRPOConfig(max_new_tokens=64)},
             r"objective.max_new_tokens \(64\) must be below training.seq_len \(64\)",
         ),
         ({"data": Data(format="sft")}, "objective.name 'grpo' does not read data.format 'sft'"),
@@ -106,7 +107,7 @@ def test_bad_grpo_settings_fail_by_field(change: dict, message: str) -> None:
     fields = {
         "training": Training(seq_len=64),
         "data": Data(format="prompt"),
-        "objective": Objective(name="grpo"),
+        "objective": GRPOConfig(),
     }
     with pytest.raises(ConfigError, match=message):
         Config(**(fields | change)).validate(1)

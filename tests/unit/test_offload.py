@@ -66,10 +66,12 @@ def test_trainer_offload_between_steps_changes_nothing(tmp_path) -> None:
     offloaded.offload_optimizer()
     with pytest.raises(OptimizerOffloadedError, match="cannot step"):
         offloaded.train_step([batch])  # refused before any work: step and gradients unchanged
-    assert offloaded.step == 1
+    assert offloaded.state.step == 1
     offloaded.restore_optimizer()
     want = plain.train_step([batch])
     got = offloaded.train_step([batch])
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
-    for a, b in zip(plain.model.parameters(), offloaded.model.parameters(), strict=True):
+    for a, b in zip(
+        plain.engine.model.parameters(), offloaded.engine.model.parameters(), strict=True
+    ):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

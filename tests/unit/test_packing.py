@@ -11,11 +11,12 @@ from tokenizers import models, pre_tokenizers
 from torch import nn
 
 from temper.data import BatchLoader, TextDataset, Tokenizer, build_text_loader
+from temper.data.batch import IGNORE_INDEX, Batch
 from temper.data.packing import document_labels, document_position_ids
 from temper.kernels.attention import AttentionBackendError
 from temper.models import build_model
-from temper.objectives import IGNORE_INDEX, CausalLM
-from temper.objectives.causal_lm import Batch, documents
+from temper.objectives import CausalLM
+from temper.objectives.causal_lm import documents
 
 X = IGNORE_INDEX
 EOS = 0

@@ -16,10 +16,11 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from temper.data.batch import IGNORE_INDEX
 from temper.models import load_hf
 from temper.models.qwen3 import Qwen3Transformer
 from temper.models.qwen3_moe import Qwen3MoeTransformer
-from temper.objectives import IGNORE_INDEX, CausalLM
+from temper.objectives import CausalLM
 
 DENSE = {
     # 8 query heads on 2 kv heads; head_dim 24 while hidden / heads = 8.

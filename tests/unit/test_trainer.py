@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from temper.config import Config, Job, LRScheduler, Metrics, Model, Training
+from temper.data.batch import IGNORE_INDEX
 from temper.kernels.dispatch import kernel_settings
-from temper.objectives import IGNORE_INDEX
 from temper.trainer import NonFiniteError, Trainer
 from temper.utils.device import Runtime
 
@@ -38,7 +38,7 @@ def batch(seed: int, n_ignored: int) -> dict[str, torch.Tensor]:
 
 def test_step_loss_and_gradients_match_one_big_batch(tmp_path) -> None:
     trainer = Trainer(tiny_config(tmp_path, max_norm=0.0), runtime=CPU)
-    reference = copy.deepcopy(trainer.model)
+    reference = copy.deepcopy(trainer.engine.model)
     # Uneven masking: a mean of per-micro-batch means would differ from the token mean.
     micro = [batch(1, n_ignored=12), batch(2, n_ignored=0)]
 
@@ -59,34 +59,35 @@ def test_step_loss_and_gradients_match_one_big_batch(tmp_path) -> None:
 
 def test_clipping_bounds_the_update(tmp_path) -> None:
     clipped = Trainer(tiny_config(tmp_path, max_norm=1e-3), runtime=CPU)
-    before = [p.detach().clone() for p in clipped.model.parameters()]
-    clipped.optimizer.param_groups[0]["weight_decay"] = 0.0
+    before = [p.detach().clone() for p in clipped.engine.model.parameters()]
+    clipped.engine.optimizer.param_groups[0]["weight_decay"] = 0.0
     metrics = clipped.train_step([batch(3, n_ignored=0)])
     assert metrics["grad_norm"] > 1e-3  # the reported norm is the one before clipping
     grads_seen = [
         state["exp_avg"] / (1 - clipped.config.optimizer.beta1)
-        for p in clipped.model.parameters()
-        if (state := clipped.optimizer.state[p])
+        for p in clipped.engine.model.parameters()
+        if (state := clipped.engine.optimizer.state[p])
     ]
     clipped_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads_seen]))
     assert clipped_norm.item() == pytest.approx(1e-3, rel=1e-4)
     assert any(
-        not torch.equal(a, b) for a, b in zip(before, clipped.model.parameters(), strict=True)
+        not torch.equal(a, b)
+        for a, b in zip(before, clipped.engine.model.parameters(), strict=True)
     )
 
 
 def test_non_finite_loss_stops_without_an_update(tmp_path) -> None:
     trainer = Trainer(tiny_config(tmp_path), runtime=CPU)
     with torch.no_grad():
-        trainer.model.norm.weight[0] = float("nan")
-    before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.engine.model.norm.weight[0] = float("nan")
+    before = [p.detach().clone() for p in trainer.engine.model.parameters()]
     with pytest.raises(NonFiniteError, match="step 1: loss nan"):
         trainer.train_step([batch(4, n_ignored=0)])
-    after = list(trainer.model.parameters())
+    after = list(trainer.engine.model.parameters())
     assert all(
         torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after, strict=True)
     )
-    assert not trainer.optimizer.state  # AdamW never stepped
+    assert not trainer.engine.optimizer.state  # AdamW never stepped
 
 
 def test_accumulation_equals_the_big_batch_run(tmp_path) -> None:

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from temper.config import ConfigError
-from temper.objectives.causal_lm import DOCUMENT_POSITIONS, IGNORE_INDEX, documents
-from temper.parallel.ulysses import PAD_POSITION, check_heads, shard_batch
+from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX
+from temper.models.fit import check_heads
+from temper.objectives.causal_lm import documents
+from temper.parallel.ulysses import PAD_POSITION, shard_batch
 
 
 def _packed_batch() -> dict[str, torch.Tensor]:

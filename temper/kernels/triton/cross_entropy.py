@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from temper.kernels.cross_entropy import IGNORE_INDEX
+from temper.data.batch import IGNORE_INDEX
 
 BLOCK = 4096
 

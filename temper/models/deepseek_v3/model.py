@@ -1,6 +1,5 @@
 """DeepSeek V3: the Qwen3-MoE decoder with multi-head latent attention and DeepSeek's router."""
 
-import torch.distributed as dist
 from torch import nn
 
 from temper.models.deepseek_v3.args import DeepseekV3Args
@@ -54,13 +53,12 @@ class DeepseekV3Transformer(Qwen3MoeTransformer):
             n_shared_experts=args.n_shared_experts,
         )
 
-    def update_expert_bias(self, rate: float, group: dist.ProcessGroup | None = None) -> None:
-        """The aux-loss-free balancing step, for the trainer to call after each optimizer step
-        (with ``args.expert_bias_update_rate``): every MoE layer's bias moves by ``rate``
-        towards an even load over the tokens routed since the last call, counts summed over
-        ``group`` (the data-parallel ranks; default: the world)."""
+    def after_optimizer_step(self) -> None:
+        """The aux-loss-free balancing step (a ``PostStepHook``): every MoE layer's bias moves
+        by ``args.expert_bias_update_rate`` towards an even load over the tokens routed since
+        the last step, counts summed over every rank (all of them route the global batch)."""
         routers = [m for m in self.modules() if isinstance(m, GroupLimitedRouter)]
-        update_expert_bias(routers, rate, group)
+        update_expert_bias(routers, self.args.expert_bias_update_rate)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at ``seq_len``: 6 per active weight

@@ -15,7 +15,6 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -26,6 +25,7 @@ from temper.kernels.moe_permute import unpermute
 from temper.kernels.swiglu import swiglu
 from temper.models.layers.init import init_linear
 from temper.models.layers.mlp import FeedForward
+from temper.utils.compat import functional_all_reduce
 
 
 @dataclass
@@ -131,20 +131,18 @@ class GroupLimitedRouter(nn.Module):
 
 
 @torch.no_grad()
-def update_expert_bias(
-    routers: list[GroupLimitedRouter], rate: float, group: dist.ProcessGroup | None = None
-) -> None:
+def update_expert_bias(routers: list[GroupLimitedRouter], rate: float) -> None:
     """Aux-loss-free balancing step (DeepSeek V3): ``bias += rate * sign(mean load - load)`` per
     router, from the tokens each counted since the last call, then the counts restart.
 
-    The counts are summed over ``group`` (default: the world) when torch.distributed is
-    initialized, in one all-reduce for all routers, so every rank applies the same update.
+    The counts are summed over the world when torch.distributed is initialized, in one
+    all-reduce for all routers, so every rank applies the same update.
     ``rate`` 0 only restarts the counts.
     """
     if routers and rate:
         loads = torch.stack([r.load for r in routers])
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(loads, group=group)
+            dist.all_reduce(loads)
         loads = loads.float()
         steps = torch.sign(loads.mean(dim=-1, keepdim=True) - loads)
         for router, step in zip(routers, steps, strict=True):
@@ -295,5 +293,5 @@ def load_imbalance(stats: list[RoutingStats]) -> torch.Tensor:
 def _sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
     """Sum over all ranks with autograd (the gradient is summed back); identity alone."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return funcol.all_reduce(value, "sum", dist.group.WORLD)
+        return functional_all_reduce(value, "sum", dist.group.WORLD)
     return value

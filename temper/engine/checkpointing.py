@@ -1,11 +1,13 @@
-"""What a training checkpoint holds, and when it is written and read back."""
+"""What a training checkpoint holds: the engine's model, optimizer, scheduler and RNG, and
+the loop's own state (a ``Stateful``), written atomically by DCP and read back."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -29,12 +31,20 @@ from temper.checkpoint.metadata import (
 )
 from temper.config import Config, ConfigError
 
-if TYPE_CHECKING:
-    from temper.trainer.trainer import Trainer
+
+class Stateful(Protocol):
+    """What a loop hands the engine to checkpoint beside the model: its own state (step,
+    data position, ...) as a dict of tensors, numbers and nested dicts."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class TrainCheckpointer:
-    """Saves every `checkpoint.interval` steps and at the end; restores at start."""
+    """DCP checkpoints of one run folder: ``check`` refuses one that does not fit before any
+    weight exists, ``save`` writes one step, ``restore`` resumes the newest (or starts from
+    ``checkpoint.initial_load``'s weights)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config.checkpoint
@@ -53,7 +63,7 @@ class TrainCheckpointer:
         """Refuse a checkpoint to resume or `initial_load` that does not fit `model` (the meta
         model, LoRA applied): before any weight is allocated, so a wrong flavor fails at once.
         """
-        current = self._metadata(model, step=0, tokens_seen=0)
+        current = self.metadata(model, step=0, extra={"tokens_seen": 0})
         self._resume_step = (
             resolve_resume(self.root, self.config.resume) if self.config.enable else None
         )
@@ -76,64 +86,75 @@ class TrainCheckpointer:
                     + "; ".join(differences)
                 )
 
-    def restore(self, trainer: Trainer) -> int | None:
-        """Resume the run (or start from `initial_load`'s weights), as `check` found it;
-        returns the step resumed."""
+    def restore(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        extra: Stateful | None,
+    ) -> int | None:
+        """Resume the run as `check` found it; returns the step resumed, None when there is
+        nothing to resume."""
         if self._resume_step is not None:
-            state = self.manager.load(self._resume_step, self._state(trainer))
-            self._apply(trainer, state)
-            return self._resume_step
-        if self.config.initial_load is not None:
-            load_model_weights(trainer.model, self.config.initial_load)
-        return None
-
-    def maybe_save(self, trainer: Trainer, *, last: bool) -> None:
-        if not self.config.enable:
-            return
-        if last or trainer.step % self.config.interval == 0:
-            self.manager.save(
-                trainer.step,
-                self._state(trainer),
-                self._metadata(trainer.model, trainer.step, trainer.tokens_seen),
+            state = self._state(model, optimizer, lr_scheduler, extra)
+            state = self.manager.load(self._resume_step, state)
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
             )
-        if last:
-            self.manager.wait()
+            lr_scheduler.load_state_dict(state["lr_scheduler"])
+            set_rng_state(state["rng"])
+            if extra is not None:
+                extra.load_state_dict(state["extra"])
+        return self._resume_step
 
-    def _state(self, trainer: Trainer) -> dict[str, Any]:
-        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-        return {
+    @property
+    def resume_step(self) -> int | None:
+        """The step ``check`` found to resume, or None."""
+        return self._resume_step
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        extra: Stateful | None,
+        metadata: dict[str, Any],
+    ) -> None:
+        """Write step ``step`` (asynchronously with ``checkpoint.async_mode``)."""
+        state = self._state(model, optimizer, lr_scheduler, extra)
+        self.manager.save(step, state, self.metadata(model, step, metadata))
+
+    def wait(self) -> None:
+        """Block until an asynchronous save is on disk."""
+        self.manager.wait()
+
+    @staticmethod
+    def _state(
+        model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: Any
+    ) -> dict[str, Any]:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {
             "model": model_state,
             "optimizer": optimizer_state,
-            "lr_scheduler": trainer.lr_scheduler.state_dict(),
-            "dataloader": trainer.loader.state_dict(),
-            "train_state": {"step": trainer.step, "tokens_seen": trainer.tokens_seen},
+            "lr_scheduler": lr_scheduler.state_dict(),
             "rng": rng_state(),
         }
+        if extra is not None:
+            state["extra"] = extra.state_dict()
+        return state
 
-    def _apply(self, trainer: Trainer, state: dict[str, Any]) -> None:
-        set_state_dict(
-            trainer.model,
-            trainer.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-        trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        trainer.loader.load_state_dict(state["dataloader"])
-        trainer.step = state["train_state"]["step"]
-        trainer.tokens_seen = state["train_state"]["tokens_seen"]
-        set_rng_state(state["rng"])
-
-    def _metadata(self, model: nn.Module, step: int, tokens_seen: int) -> dict[str, Any]:
+    def metadata(self, model: nn.Module, step: int, extra: dict[str, Any]) -> dict[str, Any]:
+        """temper.json: the model, the run's structure, and ``extra`` facts (tokens seen)."""
         param_dtype = next(model.parameters()).dtype
         return build_metadata(
             model,
             step=step,
             structure=run_structure(ep=self.ep, lora=self.lora, param_dtype=param_dtype),
-            extra={
-                "tokens_seen": tokens_seen,
-                "tokenizer": self.tokenizer_source,
-                "hf_path": self.hf_path,
-            },
+            extra={**extra, "tokenizer": self.tokenizer_source, "hf_path": self.hf_path},
         )
 
 

@@ -1,0 +1,214 @@
+"""The Engine: a config's model, built, parallelized and materialized, with its optimizer,
+scheduler, meshes and checkpoints; what any training loop drives.
+
+A loop computes its loss with ``engine.model`` inside ``engine.autocast()``, divides it by
+its global count (all ranks, all micro-batches), calls ``backward()`` and ``engine.step()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from temper.config import Config, ConfigError
+from temper.data.batch import Batch
+from temper.data.tokenizer import Tokenizer, load_tokenizer
+from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
+from temper.kernels.dispatch import configure_kernels
+from temper.models import build_hf_model, build_model, materialize
+from temper.models.hf import hf_named_tensors
+from temper.models.lora import apply_lora, init_lora
+from temper.models.protocols import PostStepHook
+from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
+from temper.parallel.dims import ParallelDims
+from temper.parallel.grad_norm import clip_grad_norm_
+from temper.parallel.parallelize import parallelize_decoder
+from temper.parallel.sharded_init import layout_invariant_init
+from temper.utils.device import Runtime, init_runtime, resolve_dtype, seed_everything
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm became inf/nan; the update was not applied."""
+
+
+class Engine:
+    """The prepared model of one run and everything that updates and saves it.
+
+    Building it validates the config, joins the process group (torchrun's environment),
+    builds the model on meta, adds LoRA, checks any checkpoint to resume against it,
+    parallelizes (SP, EP, activation checkpointing, compile, FSDP2), materializes (random
+    init, ``model.hf_path`` or ``checkpoint.initial_load``) and makes the optimizer and
+    scheduler. It does not resume: a loop calls ``load`` with its own state.
+    """
+
+    def __init__(self, config: Config, runtime: Runtime | None = None) -> None:
+        self.config = config
+        self.runtime = runtime or init_runtime()
+        config.validate(self.runtime.world_size)
+        self.dims = ParallelDims.from_config(
+            config.parallelism, self.runtime.world_size, rank=self.runtime.rank
+        )
+        self.device = self.runtime.device
+        self.dtype = resolve_dtype(config.training.dtype, self.device)
+        seed_everything(config.training.seed, config.training.deterministic)
+        configure_kernels(config.kernels, self.device)
+
+        self.tokenizer: Tokenizer = load_tokenizer(
+            config.data.tokenizer_path or config.model.hf_path
+        )
+        model = build_meta_model(config)
+        _check_vocab(self.tokenizer, model.tok_embeddings.num_embeddings, config)
+        if config.lora.enable:
+            lora = config.lora
+            apply_lora(
+                model,
+                lora.target_modules,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                rslora=lora.rslora,
+            )
+        self.checkpointer = TrainCheckpointer(config)
+        self.checkpointer.check(model)
+        self.meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None
+        self.sequence_parallel = parallelize_decoder(model, config, self.meshes, self.dtype)
+        with layout_invariant_init():
+            self.model: nn.Module = materialize(model, self.device, config.model.hf_path)
+            init_lora(self.model)
+        if self.checkpointer.resume_step is None and config.checkpoint.initial_load:
+            load_model_weights(self.model, config.checkpoint.initial_load)
+        self.model.attn_backend = config.model.attn
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self._offload = OptimizerOffload(self.optimizer)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, config.lr_scheduler, config.training.steps
+        )
+
+    def prepare_batch(self, batch: Batch) -> Batch:
+        """``batch`` on this rank's device, and with sequence parallelism its SP slice (right-
+        padded to a multiple of SP): what ``engine.model`` takes."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        if self.sequence_parallel is not None:
+            batch = self.sequence_parallel.shard(batch)
+        return batch
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The precision context a loss must run in. bf16 compute on one rule: a sharded
+        model gets it from FSDP's mixed-precision policy (bf16 gathers, fp32 masters and
+        reductions), an unsharded one from autocast."""
+        if self.dtype == torch.float32 or self.dims.sharded:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def check_can_step(self) -> None:
+        """Raise ``OptimizerOffloadedError`` now, before a forward, where ``step`` would."""
+        self._offload.check("step")
+
+    def step(self, loss: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Apply the accumulated gradients: clip across every mesh, refuse a non-finite
+        gradient norm (or ``loss``, when given), step the optimizer and scheduler, run the
+        model's post-step hook, zero the gradients. Returns ``grad_norm`` (before clipping)
+        and ``lr`` (the one applied), as tensors that stay on the device."""
+        self._offload.check("step")
+        max_norm = self.config.training.max_norm or math.inf
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
+        finite = torch.isfinite(grad_norm) if loss is None else torch.isfinite(loss + grad_norm)
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            shown = "" if loss is None else f"loss {loss.item()} / "
+            raise NonFiniteError(
+                f"{shown}grad norm {grad_norm.item()} is not finite; the update was skipped. "
+                "Lower optimizer.lr or check the data."
+            )
+        lr = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        if isinstance(self.model, PostStepHook):
+            self.model.after_optimizer_step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm.detach(), "lr": lr}
+
+    def save(
+        self,
+        step: int,
+        extra: Stateful | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+        wait: bool = False,
+    ) -> None:
+        """A DCP checkpoint of step ``step`` under ``<dump_folder>/<checkpoint.folder>``:
+        model, optimizer, scheduler, RNG, and ``extra``'s state; written to a temporary
+        folder and renamed when complete, so a crash never leaves a half checkpoint as the
+        latest. ``metadata`` adds facts to its temper.json; ``wait`` blocks until an
+        asynchronous save is on disk."""
+        self._offload.check("save a checkpoint")
+        self.checkpointer.save(
+            step,
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            extra,
+            metadata or {},
+        )
+        if wait:
+            self.checkpointer.wait()
+
+    def load(self, extra: Stateful | None = None) -> int | None:
+        """Resume from the checkpoint ``checkpoint.resume`` picked (with ``checkpoint.enable``;
+        the newest complete one by default): weights, optimizer, scheduler, RNG and
+        ``extra``'s state; returns its step, or None when there is none (the model then
+        keeps its initial weights)."""
+        return self.checkpointer.restore(self.model, self.optimizer, self.lr_scheduler, extra)
+
+    def offload_optimizer(self) -> None:
+        """Move the optimizer state to CPU (freeing device memory) until
+        ``restore_optimizer``. Call at a step boundary on every rank; calling it twice does
+        nothing more. ``step`` or ``save`` meanwhile raise ``OptimizerOffloadedError``."""
+        self._offload.offload()
+
+    def restore_optimizer(self) -> None:
+        """Bring the optimizer state back to the parameters' device; idempotent."""
+        self._offload.restore()
+
+    def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` pairs of the current weights under Hugging Face names,
+        one tensor gathered at a time (LoRA merged): for handing weights to an inference
+        server. Sharded: every rank must iterate it to the end (each tensor is a
+        collective)."""
+        return hf_named_tensors(self.model)
+
+    def build_reference(self) -> nn.Module:
+        """A frozen copy of the policy's starting weights, built and sharded like it: the same
+        seed's init or ``model.hf_path``, then ``checkpoint.initial_load``'s weights if
+        given."""
+        config = self.config
+        model = build_meta_model(config)
+        parallelize_decoder(model, config, self.meshes, self.dtype)
+        with torch.random.fork_rng(devices=[]), layout_invariant_init():
+            seed_everything(config.training.seed, config.training.deterministic)
+            reference = materialize(model, self.device, config.model.hf_path)
+        if config.checkpoint.initial_load is not None:
+            load_model_weights(reference, config.checkpoint.initial_load)
+        reference.attn_backend = config.model.attn
+        reference.requires_grad_(False)
+        return reference.eval()
+
+
+def build_meta_model(config: Config) -> nn.Module:
+    """The run's architecture on meta: from `model.hf_path`'s config.json, else the flavor."""
+    if config.model.hf_path is not None:
+        return build_hf_model(config.model.hf_path)
+    return build_model(config.model.name, config.model.flavor)
+
+
+def _check_vocab(tokenizer: Tokenizer, model_vocab: int, config: Config) -> None:
+    if tokenizer.vocab_size > model_vocab:
+        raise ConfigError(
+            f"data.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but the "
+            f"model ({config.model.hf_path or config.model.flavor}) embeds only {model_vocab}"
+        )

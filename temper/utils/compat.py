@@ -1,0 +1,67 @@
+"""Every private torch API Temper uses, in one place, each with the torch versions it was
+checked on (2.11 on the GPU machines, 2.13 in CI). Code imports these names from here, so a
+torch upgrade that moves one breaks this module, not a training run, and
+``tests/unit/test_compat.py`` names it. A public API is used instead wherever one exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Intercepting aten calls (layout-invariant random init), and the type of the ops it sees.
+# Checked: 2.11, 2.13; no public module holds them in these versions.
+from torch._ops import OpOverload
+
+# Traceable collectives: a differentiable uneven all-to-all (EP dispatch, Ulysses head
+# exchange) and an all-reduce (MoE balancing statistics over ranks). Checked: 2.11, 2.13.
+# torch.distributed.nn.functional has autograd collectives too, but not uneven all-to-all
+# on gloo in these versions.
+from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.fsdp import FSDPModule
+
+# A DTensor shard's offset in the global tensor (reading only a shard's rows of an HF
+# checkpoint). Checked: 2.11, 2.13. No public equivalent.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import TorchDispatchMode
+
+grouped_mm = torch._grouped_mm
+"""Grouped GEMM over expert groups (``offs``); CUDA SM80+ bf16, and CPU fp32/bf16 in 2.13.
+Checked: 2.11, 2.13. No public equivalent."""
+
+foreach_norm = torch._foreach_norm
+foreach_mul_ = torch._foreach_mul_
+"""Multi-tensor norm and scale (gradient clipping over many shards). Checked: 2.11, 2.13."""
+
+
+def fsdp_reshard_states(unit: FSDPModule) -> list[Any]:
+    """Whether each param group of an FSDP2 unit frees its gathered weights after forward.
+    FSDP2 offers the public setter ``set_reshard_after_forward`` but no getter; this reads
+    the private state so it can be restored exactly. Checked: 2.11, 2.13."""
+    return [group.post_forward_mesh_info for group in _param_groups(unit)]
+
+
+def restore_fsdp_reshard_states(unit: FSDPModule, states: list[Any]) -> None:
+    """Put back what ``fsdp_reshard_states`` read."""
+    for group, state in zip(_param_groups(unit), states, strict=True):
+        group.post_forward_mesh_info = state
+
+
+def _param_groups(unit: FSDPModule) -> list[Any]:
+    return list(unit._get_fsdp_state()._fsdp_param_groups)
+
+
+__all__ = [
+    "OpOverload",
+    "TorchDispatchMode",
+    "all_to_all_single_autograd",
+    "compute_local_shape_and_global_offset",
+    "foreach_mul_",
+    "functional_all_reduce",
+    "foreach_norm",
+    "fsdp_reshard_states",
+    "grouped_mm",
+    "restore_fsdp_reshard_states",
+]
