@@ -153,15 +153,17 @@ def resolve_backend(backend: Backend, x: torch.Tensor, *, packed: bool) -> Backe
 
 
 def prepare_documents(
-    backend: Backend, docs: DocumentMask | None, x: torch.Tensor
+    backend: Backend, docs: DocumentMask | None, x: torch.Tensor, seq_len: int
 ) -> tuple[Backend, DocumentMask | None]:
-    """Resolve the backend once per forward for hidden states ``x`` [b, s, ...] and build
-    what all layers share: flex's BlockMask (whole rows when there are no documents)."""
+    """Resolve the backend once per forward for hidden states ``x`` [b, ...] and build what
+    all layers share: flex's BlockMask (whole rows when there are no documents) at
+    ``seq_len``, the length attention sees: the whole sequence under sequence parallelism,
+    where ``x`` holds a slice."""
     backend = resolve_backend(backend, x, packed=docs is not None)
     if backend != "flex":
         return backend, docs
     if docs is None:
-        docs = DocumentMask.whole_rows(x.shape[0], x.shape[1], x.device)
+        docs = DocumentMask.whole_rows(x.shape[0], seq_len, x.device)
     return backend, docs.with_block_mask()
 
 
@@ -301,3 +303,15 @@ def _varlen(
 
 
 _BACKENDS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
+
+_aten = torch.ops.aten
+ATTENTION_OPS = (
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.higher_order.flex_attention,
+    torch.ops.torch_attn._varlen_attn.default,
+)
+"""The ops in which the backends compute attention (sdpa's fused kernels; its math fallback
+is matmuls), for selective activation checkpointing to keep their outputs."""

@@ -19,6 +19,7 @@ from temper.kernels.cross_entropy import (
     log_probs_from_logits,
 )
 from temper.kernels.dispatch import kernel_settings
+from temper.models.layers.decoder import SequenceShard
 
 IGNORE_INDEX = -100
 """Label value of a position that does not count in the loss."""
@@ -27,7 +28,11 @@ DOCUMENT_POSITIONS = "document_position_ids"
 """Batch key of the whole sequence's positions when ``position_ids`` hold a sequence-parallel
 slice: documents are found on the whole sequence, which attention sees."""
 
-Batch = dict[str, torch.Tensor]
+SEQUENCE_SHARD = "sequence_shard"
+"""Batch key of the ``SequenceShard`` of a sequence-parallel slice, which the model takes."""
+
+Batch = dict[str, "torch.Tensor | SequenceShard"]
+"""Tensors by name, plus a ``SequenceShard`` under ``SEQUENCE_SHARD`` in a sliced batch."""
 
 
 class Objective(Protocol):
@@ -67,9 +72,10 @@ class CausalLM:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         labels = batch["labels"]
         args = (batch["input_ids"], batch.get("position_ids"), documents(batch))
+        shard = batch.get(SEQUENCE_SHARD)
         kernels = kernel_settings()
         if kernels.fused_cross_entropy and _weight_only_head(model):
-            hidden = model.hidden_states(*args)
+            hidden = model.hidden_states(*args, shard=shard)
             loss_sum, z_sum = linear_cross_entropy(
                 hidden,
                 model.output.weight,
@@ -78,7 +84,7 @@ class CausalLM:
                 kernels.chunk_tokens(hidden.device),
             )
         else:
-            log_probs, lse = log_probs_from_logits(model(*args), labels)
+            log_probs, lse = log_probs_from_logits(model(*args, shard=shard), labels)
             z_sum = lse[labels != IGNORE_INDEX].pow(2).sum()
             loss_sum = -log_probs.sum() + self.z_loss_weight * z_sum
         n_tokens = count_tokens(batch)
