@@ -105,6 +105,7 @@ class _CountOps(TorchDispatchMode):
 def _checkpoint_ops_rank() -> tuple[dict[str, Counter[str]], dict[str, list[torch.Tensor]]]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     from temper.models import build_model
     from temper.objectives import CausalLM
@@ -130,6 +131,9 @@ def _checkpoint_ops_rank() -> tuple[dict[str, Counter[str]], dict[str, list[torc
         with _CountOps() as ops:
             loss.backward()
         counts[mode] = ops.counts
-        grads[mode] = [getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()]
+        grads[mode] = [
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for p in model.parameters()
+        ]
     dist.barrier()
     return counts, grads
