@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.nn.attention.varlen import varlen_attn
 
 from temper.config import Config, ConfigError, register_rule
+from temper.utils.compat import flex_attention_op, varlen_attention_op
 from temper.utils.device import resolve_dtype
 
 Backend = Literal["auto", "sdpa", "flex", "varlen"]
@@ -156,15 +157,17 @@ def resolve_backend(backend: Backend, x: torch.Tensor, *, packed: bool) -> Backe
 
 
 def prepare_documents(
-    backend: Backend, docs: DocumentMask | None, x: torch.Tensor
+    backend: Backend, docs: DocumentMask | None, x: torch.Tensor, seq_len: int
 ) -> tuple[Backend, DocumentMask | None]:
-    """Resolve the backend once per forward for hidden states ``x`` [b, s, ...] and build
-    what all layers share: flex's BlockMask (whole rows when there are no documents)."""
+    """Resolve the backend once per forward for hidden states ``x`` [b, ...] and build what
+    all layers share: flex's BlockMask (whole rows when there are no documents) at
+    ``seq_len``, the length attention sees: the whole sequence under sequence parallelism,
+    where ``x`` holds a slice."""
     backend = resolve_backend(backend, x, packed=docs is not None)
     if backend != "flex":
         return backend, docs
     if docs is None:
-        docs = DocumentMask.whole_rows(x.shape[0], x.shape[1], x.device)
+        docs = DocumentMask.whole_rows(x.shape[0], seq_len, x.device)
     return backend, docs.with_block_mask()
 
 
@@ -304,6 +307,21 @@ def _varlen(
 
 
 _BACKENDS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
+
+ATTENTION_OPS = tuple(
+    op
+    for op in (
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+        flex_attention_op,
+        varlen_attention_op,
+    )
+    if op is not None
+)
+"""The ops in which the backends compute attention (sdpa's fused kernels; its math fallback
+is matmuls), for selective activation checkpointing to keep their outputs."""
 
 
 @register_rule

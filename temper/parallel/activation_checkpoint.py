@@ -1,9 +1,10 @@
 """Activation checkpointing per decoder block: store less in forward, recompute in backward.
 
-`full` keeps only each block's input; `selective` also keeps the outputs of matmuls and
-attention (the expensive ops) and recomputes the cheap element-wise rest. The block's
-`forward` is replaced in place, so parameter names, and thus checkpoints and HF loading,
-do not change.
+`full` keeps only each block's input; `selective` also keeps the outputs of matmuls, of every
+attention backend and of the sequence- and expert-parallel all-to-alls (the expensive ops,
+and the ones that talk to other ranks), and recomputes the cheap element-wise rest, so a
+backward never runs attention or a collective twice. The block's `forward` is replaced in
+place, so parameter names, and thus checkpoints and HF loading, do not change.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from temper.kernels.attention import ATTENTION_OPS
+
 CheckpointMode = Literal["none", "full", "selective"]
 
 _aten = torch.ops.aten
@@ -29,10 +32,10 @@ _SAVED_OPS = {
     _aten.addmm.default,
     _aten.bmm.default,
     _aten._grouped_mm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
+    *ATTENTION_OPS,
+    # What `all_to_all_single_autograd` and functional `all_to_all_single` (Ulysses, expert
+    # dispatch) run; recomputing it would send the same tokens again.
+    torch.ops._c10d_functional.all_to_all_single.default,
 }
 
 

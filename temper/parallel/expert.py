@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from temper.models.layers.moe import MoE
-from temper.utils.compat import all_to_all_single_autograd
+from temper.utils.compat import all_to_all_single_autograd, functional_all_to_all
 
 
 class AllToAllDispatcher:
@@ -26,6 +26,8 @@ class AllToAllDispatcher:
 
     Split sizes travel first (an all-to-all of the per-expert counts), then the rows by an
     uneven all-to-all with autograd, so the backward returns row gradients the same way.
+    Both are functional collectives, whose outputs selective activation checkpointing keeps:
+    a recomputed forward sends nothing.
     """
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int) -> None:
@@ -37,8 +39,7 @@ class AllToAllDispatcher:
         self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
         """rows [T, dim] sorted by global expert, counts [E] -> expert outputs in rows' order."""
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
+        received = functional_all_to_all(counts, None, None, self.group)
         # received[s * n_local + j]: rows that rank s sends to this rank's expert j.
         per_source = received.view(self.ep, self.n_local)
         send = counts.view(self.ep, self.n_local).sum(dim=1).tolist()

@@ -2,30 +2,30 @@
 of the heads.
 
 The batch is right-padded to a multiple of SP and sliced along the sequence before the model
-call (``SequenceParallel.shard``, the model entry). Around each attention core an all-to-all
-turns q, k, v from sequence-sharded [b, s/sp, h, d] into head-sharded [b, s, h/sp, d], so
-attention sees the whole sequence (and the global ``DocumentMask``), and the reverse
-all-to-all brings the output back. Everything else in a block works token by token.
+call (``SequenceParallel.shard``, the model entry); the slice travels with a
+``SequenceShard`` that the objective hands the decoder. Around each attention core an
+all-to-all turns q, k, v from sequence-sharded [b, s/sp, h, d] into head-sharded
+[b, s, h/sp, d], so attention sees the whole sequence (and masks built at its length), and
+the reverse all-to-all brings the output back. Everything else in a block works token by
+token.
 
 Padding keeps out of the results: pad tokens carry label -100 (no loss, no token count) and
 position ``PAD_POSITION``, which makes each pad its own one-token document in the global mask,
-so no real token attends to one; MoE routing statistics are taken over real tokens only.
+so no real token attends to one; the ``SequenceShard``'s ``valid_len`` keeps them out of MoE
+routing statistics.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, Batch
+from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, SEQUENCE_SHARD, Batch, SequenceShard
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.attention import attention as causal_attention
 from temper.models.fit import check_heads
-from temper.models.layers.moe import MoE, RoutingStats, tokens_per_expert
 from temper.utils.compat import all_to_all_single_autograd
 
 PAD_POSITION = -1
@@ -36,12 +36,14 @@ def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
     """SP rank ``rank``'s slice (of ``size``) of a [b, s] batch, right-padded to a multiple of
     ``size``.
 
-    ``input_ids``, ``labels`` and ``position_ids`` are sliced; for packed rows the padded
-    global positions go to ``DOCUMENT_POSITIONS``, from which the objective builds the
-    document mask that attention (which sees the whole sequence) needs. Without
-    ``position_ids`` the rows are continuous sequences at positions 0..s-1: they need no mask
-    (the padding comes last, and causal order hides it), so ``DOCUMENT_POSITIONS`` is empty,
-    and attention keeps its mask-free causal kernel, which never holds the [s, s] scores.
+    ``input_ids``, ``labels`` and ``position_ids`` are sliced, and ``SEQUENCE_SHARD`` holds
+    the slice's ``SequenceShard`` (the padded length; how many of its tokens are real) for
+    the decoder. For packed rows the padded global positions go to ``DOCUMENT_POSITIONS``,
+    from which the objective builds the document mask that attention (which sees the whole
+    sequence) needs. Without ``position_ids`` the rows are continuous sequences at positions
+    0..s-1: they need no mask (the padding comes last, and causal order hides it), so
+    ``DOCUMENT_POSITIONS`` is empty, and attention keeps its mask-free causal kernel, which
+    never holds the [s, s] scores (a backend that needs a mask builds it at the padded length).
     """
     input_ids, labels = batch["input_ids"], batch["labels"]
     b, s = input_ids.shape
@@ -58,6 +60,7 @@ def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
     local = (s + pad) // size
     shard = {key: t[:, rank * local : (rank + 1) * local] for key, t in padded.items()}
     shard[DOCUMENT_POSITIONS] = padded["position_ids"] if packed is not None else positions[:0]
+    shard[SEQUENCE_SHARD] = SequenceShard(s + pad, min(max(s - rank * local, 0), local))
     return shard
 
 
@@ -107,47 +110,17 @@ class SequenceParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._valid: torch.Tensor | None = None
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's slice of ``batch`` (see ``shard_batch``)."""
         return shard_batch(batch, self.rank, self.size)
 
     def apply(self, model: nn.Module) -> None:
-        """Route every attention core through the all-to-alls and keep padding out of MoE
-        routing statistics. Runs on the meta model, before any other wrapper."""
+        """Route every attention core through the all-to-alls. Runs on the meta model, before
+        any other wrapper; the rest of the decoder learns of the slice from the batch's
+        ``SequenceShard``."""
         args = model.args
         check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), self.size)
         attend = UlyssesAttention(self.group)
         for block in model.layers:
             block.attention.attend = attend
-        # Noted around the body that forward and hidden_states (the fused loss) both run.
-        body = model._hidden_states
-
-        def noting_valid(*args: Any, **kwargs: Any) -> torch.Tensor:
-            self._note_valid(args, kwargs)
-            return body(*args, **kwargs)
-
-        model._hidden_states = noting_valid
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            routed: dict[str, torch.Tensor] = {}
-            moe.router.register_forward_hook(lambda _m, _a, out, r=routed: r.update(out=out))
-            moe.register_forward_hook(
-                lambda m, _a, _o, r=routed: setattr(m, "routing", self._routing(m, *r["out"]))
-            )
-
-    def _note_valid(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Remember which of this call's tokens are real (not padding), for the MoE hooks."""
-        positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
-        self._valid = None if positions is None else (positions != PAD_POSITION).flatten()
-
-    def _routing(
-        self, moe: MoE, probs: torch.Tensor, _weights: torch.Tensor, experts: torch.Tensor
-    ) -> RoutingStats:
-        """The layer's statistics over this rank's real tokens; the load-balancing loss sums
-        them over ranks, so they add up to those of the whole unpadded sequence."""
-        valid = self._valid
-        if valid is None:
-            return moe.routing
-        counts = tokens_per_expert(experts[valid], moe.n_experts)
-        return RoutingStats(counts, probs[valid].sum(dim=0), int(valid.sum()))

@@ -9,16 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.attention.varlen  # noqa: F401  (registers the varlen op looked up below)
 
 # Intercepting aten calls (layout-invariant random init), and the type of the ops it sees.
 # Checked: 2.11, 2.13; no public module holds them in these versions.
 from torch._ops import OpOverload
 
 # Traceable collectives: a differentiable uneven all-to-all (EP dispatch, Ulysses head
-# exchange) and an all-reduce (MoE balancing statistics over ranks). Checked: 2.11, 2.13.
+# exchange), a plain one (EP split sizes: its output, unlike the in-place c10d call's, is
+# kept by selective activation checkpointing) and an all-reduce (MoE balancing statistics
+# over ranks). Checked: 2.11, 2.13.
 # torch.distributed.nn.functional has autograd collectives too, but not uneven all-to-all
 # on gloo in these versions.
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+from torch.distributed._functional_collectives import all_to_all_single as functional_all_to_all
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.fsdp import FSDPModule
 
@@ -34,6 +38,24 @@ Checked: 2.11, 2.13. No public equivalent."""
 foreach_norm = torch._foreach_norm
 foreach_mul_ = torch._foreach_mul_
 """Multi-tensor norm and scale (gradient clipping over many shards). Checked: 2.11, 2.13."""
+
+
+flex_attention_op = torch.ops.higher_order.flex_attention
+"""The higher-order op FlexAttention runs as (what selective checkpointing sees). Checked:
+2.11, 2.13."""
+
+
+def _optional_op(namespace: str, name: str) -> Any:
+    """An op's default overload, or None where this torch build does not register it."""
+    try:
+        return getattr(getattr(torch.ops, namespace), name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+varlen_attention_op = _optional_op("torch_attn", "_varlen_attn")
+"""The op behind ``torch.nn.attention.varlen.varlen_attn``. Checked: 2.13; None in a build
+that does not register it, where varlen is not run either."""
 
 
 def fsdp_reshard_states(unit: FSDPModule) -> list[Any]:
@@ -60,8 +82,11 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "foreach_mul_",
     "functional_all_reduce",
+    "functional_all_to_all",
     "foreach_norm",
+    "flex_attention_op",
     "fsdp_reshard_states",
     "grouped_mm",
     "restore_fsdp_reshard_states",
+    "varlen_attention_op",
 ]

@@ -4,7 +4,8 @@ Embedding, pre-norm blocks of rotary GQA attention and an MLP, final norm and LM
 optional tied embeddings. A family subclasses ``Decoder`` and sets ``qk_norm`` or overrides
 ``attention(layer_id)`` (MLA) and ``feed_forward(layer_id)`` (dense, bias or MoE).
 ``attn_backend`` is a run-time choice, not part of the architecture: it never enters the
-state dict.
+state dict. Under sequence parallelism the decoder runs on a slice of each sequence and is
+told so by a ``SequenceShard`` argument.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from temper.data.batch import SequenceShard
 from temper.kernels.attention import Backend, DocumentMask, prepare_documents
 from temper.models.layers.attention import Attention
 from temper.models.layers.init import depth_scaled_std
@@ -60,9 +62,11 @@ class Block(nn.Module):
         docs: DocumentMask | None = None,
         backend: Backend = "auto",
         cache: LayerCache | None = None,
+        valid_len: int | None = None,
     ) -> torch.Tensor:
+        """``valid_len``: each row's first tokens that are real, the rest padding (None: all)."""
         h = x + self.attention(self.attention_norm(x), cos, sin, docs, backend, cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed_forward(self.ffn_norm(h), valid_len)
 
 
 class Decoder(nn.Module):
@@ -129,15 +133,17 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         docs: DocumentMask | None = None,
         cache: KVCache | None = None,
+        shard: SequenceShard | None = None,
     ) -> torch.Tensor:
         """Final-norm output [b, s, dim], so a fused loss can apply ``output`` itself.
 
         ``docs`` (from the full batch's ``position_ids``) keeps packed documents apart;
         without it each row is one causal sequence. With a KV ``cache`` (decoding) the tokens
         follow those of earlier calls, whose keys it holds; attention then runs on sdpa with
-        the cache's mask, whatever ``attn_backend`` is.
+        the cache's mask, whatever ``attn_backend`` is. ``shard`` says that the tokens are a
+        sequence-parallel slice (``docs`` then describes the whole sequence).
         """
-        return self._hidden_states(input_ids, position_ids, docs, cache)
+        return self._hidden_states(input_ids, position_ids, docs, cache, shard)
 
     def _hidden_states(
         self,
@@ -145,6 +151,7 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None,
         docs: DocumentMask | None,
         cache: KVCache | None,
+        shard: SequenceShard | None,
     ) -> torch.Tensor:
         """``hidden_states``'s body, which ``forward`` calls too: FSDP2 wraps the public method
         in its root hooks (the fused loss calls it alone), and forward already runs inside
@@ -155,15 +162,21 @@ class Decoder(nn.Module):
             position_ids = position_ids[None]
         cos, sin = rope_cos_sin(self.inv_freq, position_ids)
         h = self.tok_embeddings(input_ids)
+        seq_len, valid_len = input_ids.shape[1], None
+        if shard is not None:
+            seq_len, valid_len = shard.seq_len, shard.valid_len
         if cache is None:
-            backend, docs = prepare_documents(self.attn_backend, docs, h)
+            backend, docs = prepare_documents(self.attn_backend, docs, h, seq_len)
             caches: list[LayerCache | None] = [None] * len(self.layers)
-        elif docs is not None:
-            raise ValueError("a KV cache decodes whole rows; packed documents are for training")
+        elif docs is not None or shard is not None:
+            raise ValueError(
+                "a KV cache decodes whole rows; packed documents and sequence-parallel slices "
+                "are for training"
+            )
         else:
             backend, caches = "sdpa", cache.extend(input_ids.shape[1])
         for layer, layer_cache in zip(self.layers, caches, strict=True):
-            h = layer(h, cos, sin, docs, backend, layer_cache)
+            h = layer(h, cos, sin, docs, backend, layer_cache, valid_len)
         return self.norm(h)
 
     def forward(
@@ -172,13 +185,14 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         docs: DocumentMask | None = None,
         cache: KVCache | None = None,
+        shard: SequenceShard | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, vocab] for token ids [b, s]; positions default to 0..s-1.
 
         With a KV ``cache`` (decoding, see ``hidden_states``), only the last position's logits
         [b, 1, vocab]: nothing else is sampled from, and a long prompt's would be huge.
         """
-        h = self._hidden_states(input_ids, position_ids, docs, cache)
+        h = self._hidden_states(input_ids, position_ids, docs, cache, shard)
         return self.output(h if cache is None else h[:, -1:])
 
     def active_params(self) -> float:

@@ -22,5 +22,7 @@ class FeedForward(nn.Module):
         init_linear(self.w3, std)
         init_linear(self.w2, out_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid_len: int | None = None) -> torch.Tensor:
+        """``valid_len`` (real tokens per row, as every block feed-forward takes it) changes
+        nothing here: each token is computed alone, padding or not."""
         return self.w2(swiglu(self.w1(x), self.w3(x)))

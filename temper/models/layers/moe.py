@@ -252,16 +252,34 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.init_weights(std, out_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid_len: int | None = None) -> torch.Tensor:
+        """x [b, s, dim]; ``valid_len``: each row's first tokens that are real, the rest
+        right padding (sequence parallelism's), which the routing statistics leave out."""
         tokens = x.reshape(-1, x.shape[-1])
         probs, weights, experts = self.router(tokens)
         rows, order, counts = permute(tokens, experts, self.n_experts)
         out = self.dispatcher(self.experts, rows, counts)
-        self.routing = RoutingStats(counts, probs.sum(dim=0), tokens.shape[0])
+        if valid_len is None:
+            self.routing = RoutingStats(counts, probs.sum(dim=0), tokens.shape[0])
+        else:
+            self.routing = _real_token_routing(x.shape[:2], valid_len, probs, experts)
         out = unpermute(out, order, weights).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def _real_token_routing(
+    rows: torch.Size, valid_len: int, probs: torch.Tensor, experts: torch.Tensor
+) -> RoutingStats:
+    """Routing statistics of each of ``rows`` [b, s]'s first ``valid_len`` tokens: a slice of
+    the padded layout, so no boolean mask and no host sync. Summed over sequence-parallel
+    ranks they are those of the whole unpadded sequence."""
+    b, s = rows
+    real_probs = probs.view(b, s, -1)[:, :valid_len]
+    real_experts = experts.view(b, s, -1)[:, :valid_len]
+    counts = tokens_per_expert(real_experts, probs.shape[-1])
+    return RoutingStats(counts, real_probs.sum(dim=(0, 1)), b * real_probs.shape[1])
 
 
 def load_balancing_loss(stats: list[RoutingStats]) -> torch.Tensor:
