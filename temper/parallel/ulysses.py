@@ -83,6 +83,7 @@ class UlyssesAttention:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
 
     def __call__(
         self,
@@ -93,11 +94,18 @@ class UlyssesAttention:
         *,
         backend: Backend = "auto",
         scale: float | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``sinks`` [h] are per head: this rank attends with those of its head slice."""
         if k.shape[2] < self.size:
             k, v = (t.repeat_interleave(self.size // k.shape[2], dim=2) for t in (k, v))
         q, k, v = (self._heads_to_ranks(t) for t in (q, k, v))
-        out = causal_attention(q, k, v, docs, backend=backend, scale=scale)
+        if sinks is not None:
+            sinks = sinks.view(self.size, -1)[self.rank]
+        out = causal_attention(
+            q, k, v, docs, backend=backend, scale=scale, window=window, sinks=sinks
+        )
         return self._sequence_to_ranks(out)
 
     def _heads_to_ranks(self, x: torch.Tensor) -> torch.Tensor:

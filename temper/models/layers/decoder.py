@@ -72,6 +72,10 @@ class Decoder(nn.Module):
     """Per-head RMSNorm of q and k before rotary (Qwen3)."""
     attn_backend: Backend = "auto"
     """Attention backend (``temper.kernels.attention``); the trainer sets it from model.attn."""
+    sliding_window: int | None = None
+    """The window of the layers that attend within one (gpt-oss), so flex masks are shared."""
+    attention_sinks: bool = False
+    """Layers add a learned sink logit per head (gpt-oss): on CUDA, ``auto`` picks flex."""
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
@@ -156,7 +160,9 @@ class Decoder(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, position_ids)
         h = self.tok_embeddings(input_ids)
         if cache is None:
-            backend, docs = prepare_documents(self.attn_backend, docs, h)
+            backend, docs = prepare_documents(
+                self.attn_backend, docs, h, window=self.sliding_window, sinks=self.attention_sinks
+            )
             caches: list[LayerCache | None] = [None] * len(self.layers)
         elif docs is not None:
             raise ValueError("a KV cache decodes whole rows; packed documents are for training")
