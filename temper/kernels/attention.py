@@ -131,9 +131,7 @@ class DocumentMask:
         return ((ids[:, :, None] == ids[:, None, :]) & band)[:, None]
 
 
-def causal_band(
-    s_q: int, s_k: int, window: int | None, device: torch.device | str
-) -> torch.Tensor:
+def causal_band(s_q: int, s_k: int, window: int | None, device: torch.device | str) -> torch.Tensor:
     """[s_q, s_k] bool: the queries are the last ``s_q`` of ``s_k`` positions (a KV cache's new
     tokens, or all of them) and see the keys at or before them, within ``window`` if set."""
     queries = torch.arange(s_k - s_q, s_k, device=device)[:, None]

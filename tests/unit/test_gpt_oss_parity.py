@@ -31,7 +31,7 @@ CASES = {
         **_BASE,
         num_hidden_layers=3,
         swiglu_limit=1.5,
-        max_position_embeddings=256,
+        max_position_embeddings=128,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 150000.0,

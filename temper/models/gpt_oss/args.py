@@ -55,12 +55,16 @@ class GptOssArgs:
             self.layer_types = tuple(LAYER_TYPES[i % 2] for i in range(self.n_layers))
         self.layer_types = tuple(self.layer_types)
         if len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers"
+            )
         unknown = set(self.layer_types) - set(LAYER_TYPES)
         if unknown:
             raise ValueError(f"layer_types {sorted(unknown)} unknown; choose {LAYER_TYPES}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+            raise ValueError(
+                f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
+            )
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, n_experts = {self.n_experts}]")
         if self.sliding_window < 1:

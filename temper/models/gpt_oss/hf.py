@@ -96,7 +96,8 @@ def args_to_hf(args: GptOssArgs) -> dict[str, Any]:
 def key_rules(args: GptOssArgs) -> list[KeyRule]:
     rules = [KeyRule("tok_embeddings.weight", ("model.embed_tokens.weight",))]
     for i in range(args.n_layers):
-        rules += [KeyRule(f"layers.{i}.{n}", (f"model.layers.{i}.{h}",)) for n, h in BLOCK_KEYS.items()]
+        block = BLOCK_KEYS.items()
+        rules += [KeyRule(f"layers.{i}.{n}", (f"model.layers.{i}.{h}",)) for n, h in block]
     rules.append(KeyRule("norm.weight", ("model.norm.weight",)))
     if not args.tie_embeddings:
         rules.append(KeyRule("output.weight", ("lm_head.weight",)))

@@ -78,6 +78,4 @@ class LayerCache:
         self.k[:, start:end] = k
         self.v[:, start:end] = v
         keys, values = self.k[:, :end], self.v[:, :end]
-        return attention(
-            q, keys, values, scale=scale, mask=cache.mask, window=window, sinks=sinks
-        )
+        return attention(q, keys, values, scale=scale, mask=cache.mask, window=window, sinks=sinks)
