@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from temper.models.layers.rope import RopeScaling, YarnScaling
+from temper.models.mxfp4 import Mxfp4Folder
 from temper.models.registry import ModelSpec, all_model_specs, spec_of
 from temper.models.safetensors_io import (
     DEFAULT_SHARD_BYTES,
@@ -120,9 +121,11 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """Fill a materialized model (plain or DTensor-sharded) from an HF folder.
 
     Every missing and every mis-shaped tensor is named in one error before anything
-    is copied. A sharded parameter reads only its own rows of stacked experts.
+    is copied. A sharded parameter reads only its own rows of stacked experts. A folder whose
+    config.json says ``quant_method: mxfp4`` (gpt-oss releases) has its MXFP4 tensors
+    dequantized as they are read.
     """
-    tensors = SafetensorsFolder(folder)
+    tensors = open_tensors(folder)
     rules = _rules_of(model)
     params = _named_tensors(model)
     missing, wrong = [], []
@@ -144,6 +147,17 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     with torch.no_grad():
         for rule in rules:
             _fill(params[rule.native], rule, tensors)
+
+
+def open_tensors(folder: str | os.PathLike[str]) -> SafetensorsFolder | Mxfp4Folder:
+    """The folder's tensors by name, MXFP4 pairs read as their dequantized tensor when its
+    config.json declares that quantization."""
+    tensors = SafetensorsFolder(folder)
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return tensors
+    quantization = read_json(config, "HF model config").get("quantization_config") or {}
+    return Mxfp4Folder(tensors) if quantization.get("quant_method") == "mxfp4" else tensors
 
 
 def save_hf(
@@ -196,7 +210,7 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
 
 
-def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder) -> None:
+def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder | Mxfp4Folder) -> None:
     if not isinstance(param, DTensor):
         param.copy_(_read_rows(rule, tensors, slice(0, param.shape[0])))
         return
@@ -209,7 +223,9 @@ def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder) -> Non
     local.copy_(value)
 
 
-def _read_rows(rule: KeyRule, tensors: SafetensorsFolder, rows: slice) -> torch.Tensor:
+def _read_rows(
+    rule: KeyRule, tensors: SafetensorsFolder | Mxfp4Folder, rows: slice
+) -> torch.Tensor:
     """Rows `rows` of dim 0: a slice of one tensor, or a stack of only the needed experts."""
     if len(rule.hf) == 1:
         return tensors.read(rule.hf[0], rows)

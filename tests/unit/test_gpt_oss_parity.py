@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from hf_parity import check_forward_and_grads, check_round_trip, randomize_norms
-from transformers import AutoModelForCausalLM, GptOssConfig, PreTrainedModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config, PreTrainedModel
 
-from temper.models import load_hf
+from temper.models import load_hf, save_hf
 from temper.models.gpt_oss import GptOssTransformer
-from temper.models.hf import read_hf_args
+from temper.models.hf import open_tensors, read_hf_args
+from temper.models.mxfp4 import dequantize
 
 _BASE = {
     "vocab_size": 96,
@@ -122,3 +125,70 @@ def test_round_trip_is_bit_identical(case: str, tmp_path: Path) -> None:
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").config
     for field in ("layer_types", "sliding_window", "swiglu_alpha", "swiglu_limit"):
         assert getattr(reloaded, field) == getattr(hf.config, field), field
+
+
+def mxfp4_folder(folder: Path) -> PreTrainedModel:
+    """The layout of the released checkpoints at a tiny size: the experts' two weights as
+    random MXFP4 blocks and scales (exponents 2^-7..2^2), config.json declaring mxfp4."""
+    config = GptOssConfig(
+        **{**_BASE, "hidden_size": 64, "intermediate_size": 32}, num_hidden_layers=2
+    )
+    hf = tiny_hf(config, folder)
+    tensors = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = tensors.pop(key).shape  # stored transposed, [E, out, in]
+        tensors[f"{key}_blocks"] = torch.randint(
+            0, 256, (experts, rows, cols // 32, 16), generator=g, dtype=torch.uint8
+        )
+        tensors[f"{key}_scales"] = torch.randint(
+            120, 130, (experts, rows, cols // 32), generator=g, dtype=torch.uint8
+        )
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    written = json.loads((folder / "config.json").read_text())
+    written["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(written))
+    return hf
+
+
+def test_mxfp4_folder_loads_as_transformers_dequantizes_it(tmp_path: Path) -> None:
+    """transformers' own dequantized load (Mxfp4Config(dequantize=True), which runs on CPU
+    without the kernels package) and ours hold the same weights and give the same logits;
+    the export holds the dequantized tensors and reloads without a quantization config."""
+    mxfp4_folder(tmp_path / "mxfp4")
+    theirs = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mxfp4", quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    ours = load_hf(tmp_path / "mxfp4")
+    for i, layer in enumerate(ours.layers):
+        experts = theirs.model.layers[i].mlp.experts
+        assert torch.equal(layer.feed_forward.experts.gate_up, experts.gate_up_proj)
+        assert torch.equal(layer.feed_forward.experts.down, experts.down_proj)
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+    # An expert-parallel rank reads its experts' rows only.
+    tensors = open_tensors(tmp_path / "mxfp4")
+    key = "model.layers.1.mlp.experts.down_proj"
+    assert torch.equal(tensors.read(key, slice(2, 4)), tensors.read(key)[2:4])
+    bf16 = load_hf(tmp_path / "mxfp4", dtype=torch.bfloat16)
+    gate_up = bf16.layers[0].feed_forward.experts.gate_up
+    assert torch.equal(gate_up.float(), ours.layers[0].feed_forward.experts.gate_up)  # exact
+
+    save_hf(ours, tmp_path / "out")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert not [k for k in written if k.endswith(("_blocks", "_scales"))]
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, theirs(ids).logits, rtol=0, atol=0)
+
+
+def test_mxfp4_dequantize_by_hand() -> None:
+    # One row of 32 values: codes 0x21 -> (1: 0.5, 2: 1.0), 0xF8 -> (8: -0, 15: -6); scale 2^1.
+    blocks = torch.tensor([[[[0x21, 0xF8] + [0] * 14]]], dtype=torch.uint8)
+    scales = torch.tensor([[[128]]], dtype=torch.uint8)
+    values = dequantize(blocks, scales)
+    assert values.shape == (1, 32, 1)
+    assert values[0, :4, 0].tolist() == [1.0, 2.0, -0.0, -12.0]
+    assert values[0, 4:].abs().sum() == 0
