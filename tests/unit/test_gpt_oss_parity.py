@@ -11,6 +11,7 @@ from hf_parity import check_forward_and_grads, check_round_trip, randomize_norms
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config, PreTrainedModel
 
+from temper.generation import generate
 from temper.models import load_hf, save_hf
 from temper.models.gpt_oss import GptOssTransformer
 from temper.models.hf import open_tensors, read_hf_args
@@ -192,3 +193,25 @@ def test_mxfp4_dequantize_by_hand() -> None:
     assert values.shape == (1, 32, 1)
     assert values[0, :4, 0].tolist() == [1.0, 2.0, -0.0, -12.0]
     assert values[0, 4:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_greedy_equals_transformers_generate_past_the_window(padded: bool, tmp_path: Path) -> None:
+    """12-token prompts and 16 new tokens, window 8: decoding crosses the window several
+    times; the sliding layers hide old cache columns as transformers' sliding cache drops
+    them. With ``padded`` the batch is left-padded to the longest prompt."""
+    hf = tiny_hf(CASES["yarn_alternating"], tmp_path)
+    hf.generation_config.pad_token_id = 0
+    native = load_hf(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (12, 9 if padded else 12)]
+    new = 16
+    ours = generate(native, prompts, new, pad_id=0)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (ids != 0).long() if padded else torch.ones_like(ids)
+    with torch.no_grad():
+        theirs = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
+    assert ours.tokens.tolist() == theirs[:, width:].tolist()
