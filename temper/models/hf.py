@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from temper.models.layers.rope import RopeScaling, YarnScaling
 from temper.models.mxfp4 import Mxfp4Folder
-from temper.models.registry import ModelSpec, all_model_specs, spec_of
+from temper.models.registry import ModelSpec, all_model_specs, replace_args, spec_of
 from temper.models.safetensors_io import (
     DEFAULT_SHARD_BYTES,
     SafetensorsFolder,
@@ -85,11 +85,17 @@ def read_hf_args(folder: str | os.PathLike[str]) -> tuple[ModelSpec, Any]:
         raise ValueError(f"{path}: cannot read a {spec.name} config: {err}") from err
 
 
-def build_hf_model(folder: str | os.PathLike[str], vocab_size: int | None = None) -> nn.Module:
-    """The folder's architecture on the meta device, ready to parallelize and load."""
+def build_hf_model(
+    folder: str | os.PathLike[str],
+    vocab_size: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """The folder's architecture on the meta device, ready to parallelize and load;
+    ``overrides`` replace args fields as in ``build_model``."""
     spec, args = read_hf_args(folder)
     if vocab_size is not None:
         args = dataclasses.replace(args, vocab_size=vocab_size)
+    args = replace_args(spec.name, args, overrides or {})
     with torch.device("meta"):
         return spec.model_cls(args)
 
@@ -98,9 +104,12 @@ def load_hf(
     path: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    overrides: Mapping[str, Any] | None = None,
 ) -> nn.Module:
-    """The native model of an HF folder, with its weights, on `device` in `dtype`."""
-    return materialize(build_hf_model(path), device, hf_path=path).to(dtype)
+    """The native model of an HF folder, with its weights, on `device` in `dtype`;
+    ``overrides`` replace args fields (``{"mtp_depth": 1}`` reads DeepSeek's MTP layer)."""
+    model = build_hf_model(path, overrides=overrides)
+    return materialize(model, device, hf_path=path).to(dtype)
 
 
 def materialize(
@@ -176,10 +185,14 @@ def save_hf(
     folder = Path(path)
     params = _named_tensors(model)
     hf_tensors: dict[str, torch.Tensor] = {}
+    written: set[str] = set()
     for rule in _rules_of(model):
         value = params[rule.native].detach()
         if isinstance(value, DTensor):
             value = value.full_tensor()
+        if rule.native in written:  # a second HF copy (MTP's head): safetensors wants its own
+            value = value.clone()
+        written.add(rule.native)
         parts = [value] if len(rule.hf) == 1 else list(value.unbind(0))
         hf_tensors.update(zip(rule.hf, parts, strict=True))
     write_safetensors(folder, hf_tensors, max_shard_bytes)

@@ -141,6 +141,11 @@ class SequenceParallel:
         routing statistics. Runs on the meta model, before any other wrapper."""
         args = model.args
         check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), self.size)
+        if getattr(args, "mtp_depth", 0):
+            raise ConfigError(
+                "parallelism.sp > 1 with model.mtp_depth > 0 is not supported: a draft depth "
+                "reads the next tokens, which sit on the next SP rank at a slice's end"
+            )
         attend = UlyssesAttention(self.group)
         for block in model.layers:
             block.attention.attend = attend

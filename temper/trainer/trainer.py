@@ -277,9 +277,10 @@ def train_initial_checkpoint(config: Config, runtime: Runtime) -> str:
 
 def build_meta_model(config: Config) -> nn.Module:
     """The run's architecture on meta: from `model.hf_path`'s config.json, else the flavor."""
+    overrides = config.model.arg_overrides()
     if config.model.hf_path is not None:
-        return build_hf_model(config.model.hf_path)
-    return build_model(config.model.name, config.model.flavor)
+        return build_hf_model(config.model.hf_path, overrides=overrides)
+    return build_model(config.model.name, config.model.flavor, overrides=overrides)
 
 
 def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int) -> BatchLoader:
