@@ -40,7 +40,8 @@ class Model:
     attn: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Attention backend (block-causal over packed documents): sdpa with an explicit mask
     (reference, CPU training), flex (FlexAttention; CUDA, forward only on CPU), varlen (flash,
-    CUDA sm80+, bf16). auto = sdpa, or for packed documents on CUDA varlen else flex."""
+    CUDA sm80+, bf16). auto = sdpa, or on CUDA for packed documents varlen else flex, and for
+    attention sinks (gpt-oss) flex."""
     mtp_depth: int | None = None
     """Multi-token-prediction depths (deepseek_v3), trained jointly with a weighted draft loss;
     None = the flavor's or hf_path config's (0 / num_nextn_predict_layers)."""
