@@ -21,7 +21,7 @@ triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/g
 # Kernel parity (every Triton op vs its reference, forward and gradients), then the tests
 # whose fast paths only run on CUDA (grouped GEMM, flash varlen / flex attention).
 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_kernels_triton.py \
-  tests/unit/test_grouped_gemm.py tests/unit/test_attention.py 2>&1 | tee "$LOGS/tests.txt"
+  tests/unit/test_grouped_gemm.py tests/unit/test_attention.py tests/unit/test_gpt_oss.py 2>&1 | tee "$LOGS/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ "${BENCH:-1}" != 0 ]; then

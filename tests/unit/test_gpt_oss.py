@@ -112,3 +112,22 @@ def test_clamped_swiglu_by_hand() -> None:
     g = torch.tensor([-3.0, 0.5, 1.0])  # gate clamped above only
     u = torch.tensor([1.0, -0.25, -1.0])  # up clamped both ways
     torch.testing.assert_close(act(gate, up), (u + 1) * g * torch.sigmoid(2.0 * g))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward needs a CUDA GPU")
+@pytest.mark.parametrize("packed", [False, True])
+def test_flex_trains_like_sdpa_with_sinks_and_window_on_cuda(packed: bool) -> None:
+    """On CUDA flex is what ``auto`` runs for sinks: output and every gradient (through its
+    log-sum-exp for the sinks) against the sdpa reference, fp32."""
+    q, k, v, sinks = (t.cuda().requires_grad_() for t in _qkv())
+    docs = DocumentMask.from_position_ids(POSITIONS.cuda()) if packed else None
+    weights = torch.randn(2, 16, 4, 8, device="cuda")
+    results = []
+    for backend in ("sdpa", "auto"):
+        out = attention(q, k, v, docs, backend=backend, window=4, sinks=sinks)
+        (out * weights).sum().backward()
+        results.append([out.detach(), *(t.grad.clone() for t in (q, k, v, sinks))])
+        for t in (q, k, v, sinks):
+            t.grad = None
+    for got, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
