@@ -371,6 +371,7 @@ def _check_model(model: Model) -> None:
             read_hf_args(model.hf_path)
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.hf_path: {err}") from err
+        _check_arg_overrides(model)
         return
 
     if model.name not in model_names():
@@ -384,6 +385,7 @@ def _check_model(model: Model) -> None:
             f"model.flavor {model.flavor!r} is not a flavor of {model.name}; choose one of "
             f"{', '.join(flavors)}"
         )
+    _check_arg_overrides(model)
 
 
 def _check_attention(config: Config) -> None:
@@ -457,6 +459,19 @@ def _check_sequence_parallel(config: Config) -> None:
         check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), sp)
     except ConfigError as error:
         raise ConfigError(f"{error} ({source})") from None
+
+
+def _check_arg_overrides(model: Model) -> None:
+    """``model.mtp_depth`` and the like name fields of the family's args."""
+    from temper.models.registry import replace_args
+
+    overrides = model.arg_overrides()
+    if overrides:
+        args, where = _model_args(model)
+        try:
+            replace_args(where, args, overrides)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from err
 
 
 def _model_args(model: Model) -> tuple[Any, str]:

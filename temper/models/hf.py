@@ -59,6 +59,9 @@ class HFAdapter:
     buffer_rules: Callable[[Any], list[KeyRule]] = lambda args: []
     """Persistent buffers that HF checkpoints hold too (DeepSeek V3's expert bias): read and
     written like parameters, but they have no gradient."""
+    fit_to_folder: Callable[[Any, set[str]], Any] = lambda args, tensor_names: args
+    """The args read from config.json, fitted to the tensor names the folder holds: DeepSeek
+    V3's multi-token-prediction layers, which transformers' configs declare without saving."""
 
 
 def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
@@ -75,14 +78,16 @@ def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
 
 
 def read_hf_args(folder: str | os.PathLike[str]) -> tuple[ModelSpec, Any]:
-    """The family and ModelArgs described by a folder's config.json."""
+    """The family and ModelArgs described by a folder's config.json, fitted to the tensors
+    it holds (``HFAdapter.fit_to_folder``)."""
     path = Path(folder) / "config.json"
     hf_config = read_json(path, "HF model config")
     spec = find_hf_family(hf_config, path)
     try:
-        return spec, spec.hf_adapter.args_from_hf(hf_config)
+        args = spec.hf_adapter.args_from_hf(hf_config)
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: cannot read a {spec.name} config: {err}") from err
+    return spec, spec.hf_adapter.fit_to_folder(args, set(open_tensors(folder).keys()))
 
 
 def build_hf_model(

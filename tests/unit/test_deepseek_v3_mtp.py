@@ -167,7 +167,7 @@ def test_hf_folder_carries_the_mtp_layer_both_ways(tmp_path: Path) -> None:
     assert torch.equal(saved[f"{layer}.embed_tokens.weight"], saved["model.embed_tokens.weight"])
     assert f"{layer}.mlp.gate.e_score_correction_bias" in saved
 
-    reloaded = load_hf(tmp_path / "out", overrides={"mtp_depth": 1})
+    reloaded = load_hf(tmp_path / "out")  # the folder's count, and the layer it holds
     assert reloaded.args.mtp_depth == 1
     ours = model.state_dict()
     theirs = reloaded.state_dict()
@@ -199,3 +199,41 @@ def test_mtp_depth_is_refused_by_name_for_other_families() -> None:
 
     with pytest.raises(ValueError, match=r"model\.mtp_depth is not a setting of the llama3"):
         build_model("llama3", "debug", overrides={"mtp_depth": 1})
+
+
+def test_a_folder_declaring_mtp_without_its_layer_loads_without_it(tmp_path: Path) -> None:
+    """transformers writes num_nextn_predict_layers 1 (its default) and saves no MTP layer:
+    such a folder is the model without MTP; one that holds the layer is read with it."""
+    save_hf(tiny(1), tmp_path / "with")
+    save_hf(tiny(0), tmp_path / "without")
+    config = (tmp_path / "without" / "config.json").read_text()
+    declared = config.replace('"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1')
+    assert declared != config
+    (tmp_path / "without" / "config.json").write_text(declared)
+    assert load_hf(tmp_path / "without").args.mtp_depth == 0
+    assert load_hf(tmp_path / "with").args.mtp_depth == 1
+    assert load_hf(tmp_path / "with", overrides={"mtp_depth": 0}).args.mtp_depth == 0
+
+
+def test_dcp_checkpoint_round_trip_keeps_the_mtp_layer(tmp_path: Path) -> None:
+    """HF folder -> DCP checkpoint -> HF folder (the conversion CLI's two steps) keeps every
+    MTP tensor bit for bit."""
+    from temper.assets import __file__ as assets
+    from temper.checkpoint.convert import dcp_to_hf, hf_to_dcp, load_checkpoint_model
+
+    model = tiny(1)
+    save_hf(model, tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_bytes(
+        (Path(assets).parent / "tokenizer.json").read_bytes()
+    )
+    hf_to_dcp(tmp_path / "hf", tmp_path / "ckpt")
+    assert load_checkpoint_model(tmp_path / "ckpt").args.mtp_depth == 1
+    dcp_to_hf(tmp_path / "ckpt", tmp_path / "out")
+    before, after = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
+    assert sorted(before) == sorted(after)
+    assert [k for k in after if k.startswith("model.layers.2.")]
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), key

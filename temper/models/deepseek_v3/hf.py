@@ -10,13 +10,14 @@ are read and written as the hub holds them: layer `n_layers + k` is a full decod
 (`embed_tokens`) and head (`shared_head.head`), which the native model shares with the main
 ones (loaded from the main tensors' keys last; written under both). transformers itself does
 not read them, and writes `num_nextn_predict_layers: 1` (its default) into configs whose
-folders hold no such layer, so the count does not say whether a folder holds them: they are
-read when asked for (`--model.mtp_depth`, `load_hf(..., overrides=...)`), any missing tensor
-named; exports write the count they hold.
+folders hold no such layer, so a folder's depth is the count of those layers it holds
+(`fit_to_folder`); `--model.mtp_depth` (`load_hf(..., overrides=...)`) asks for another,
+any missing tensor then named. Exports write the count they hold.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from temper.models.deepseek_v3.args import DeepseekV3Args
@@ -85,7 +86,21 @@ def args_from_hf(config: dict[str, Any]) -> DeepseekV3Args:
         rope_interleave=config.get("rope_interleave", True),
         tie_embeddings=config.get("tie_word_embeddings", False),
         max_seq_len=config.get("max_position_embeddings", 4096),
+        mtp_depth=config.get("num_nextn_predict_layers") or 0,
     )
+
+
+def fit_to_folder(args: DeepseekV3Args, tensor_names: set[str]) -> DeepseekV3Args:
+    """``num_nextn_predict_layers`` MTP depths only if the folder holds their layers: the
+    depths whose `eh_proj` is there (transformers writes 1, its default, and saves none)."""
+    depth = 0
+    while depth < args.mtp_depth and mtp_marker(args, depth) in tensor_names:
+        depth += 1
+    return dataclasses.replace(args, mtp_depth=depth)
+
+
+def mtp_marker(args: DeepseekV3Args, k: int) -> str:
+    return f"model.layers.{args.n_layers + k}.eh_proj.weight"
 
 
 def args_to_hf(args: DeepseekV3Args) -> dict[str, Any]:
@@ -210,4 +225,5 @@ ADAPTER = HFAdapter(
     args_to_hf=args_to_hf,
     key_rules=key_rules,
     buffer_rules=buffer_rules,
+    fit_to_folder=fit_to_folder,
 )
