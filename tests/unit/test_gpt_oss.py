@@ -131,3 +131,11 @@ def test_flex_trains_like_sdpa_with_sinks_and_window_on_cuda(packed: bool) -> No
             t.grad = None
     for got, expected in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_flops_count_sliding_layers_over_their_window() -> None:
+    with torch.device("meta"):
+        model = GptOssTransformer(FLAVORS["debug"])  # 4 layers, window 16, 8 heads of 32
+    dense = 6.0 * model.active_params()
+    assert model.flops_per_token(64) == dense + 12 * 8 * 32 * (16 + 64 + 16 + 64)
+    assert model.flops_per_token(8) == dense + 12 * 8 * 32 * 8 * 4

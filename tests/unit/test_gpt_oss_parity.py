@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config, PreTrainedModel
 
 from temper.generation import generate
+from temper.kernels.attention import DocumentMask
 from temper.models import load_hf, save_hf
 from temper.models.gpt_oss import GptOssTransformer
 from temper.models.hf import open_tensors, read_hf_args
@@ -215,3 +216,16 @@ def test_greedy_equals_transformers_generate_past_the_window(padded: bool, tmp_p
             ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
         )
     assert ours.tokens.tolist() == theirs[:, width:].tolist()
+
+
+def test_packed_documents_equal_each_document_alone(tmp_path: Path) -> None:
+    """Two documents of 23 and 17 tokens in one row (both past the window of 8): sinks,
+    windows and rope positions restart per document, so each one's logits are its own."""
+    tiny_hf(CASES["yarn_alternating"], tmp_path)
+    native = load_hf(tmp_path)
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    positions = torch.tensor([[*range(23), *range(17)]])
+    with torch.no_grad():
+        packed = native(ids, positions, DocumentMask.from_position_ids(positions))
+        first, second = native(ids[:, :23]), native(ids[:, 23:])
+    torch.testing.assert_close(packed, torch.cat([first, second], dim=1), rtol=1e-5, atol=1e-5)

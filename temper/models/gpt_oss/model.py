@@ -13,7 +13,7 @@ from temper.models.qwen3_moe.model import Qwen3MoeTransformer
 class GptOssTransformer(Qwen3MoeTransformer):
     """gpt-oss causal LM. Inherited: ``forward``, ``hidden_states``, ``init_weights`` (the
     shared Decoder), ``aux_loss``, ``load_imbalance`` and the active-parameter count
-    (Qwen3-MoE)."""
+    (Qwen3-MoE). The FLOP count takes each sliding layer's scores over its window only."""
 
     args: GptOssArgs
     qk_norm = False
@@ -48,3 +48,12 @@ class GptOssTransformer(Qwen3MoeTransformer):
             router=BiasedTopKRouter(args.dim, args.n_experts, args.top_k),
             experts=ClampedSwiGLUExperts(args.dim, args.moe_hidden_dim, args.n_experts, act),
         )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 per active weight plus 12 * n_heads * head_dim per key each layer's queries see:
+        ``seq_len`` keys in a full layer (full, not causal-halved, scores, as the shared count
+        takes them), ``min(seq_len, window)`` in a sliding one."""
+        args = self.args
+        windows = (args.window(i) for i in range(args.n_layers))
+        keys = sum(seq_len if w is None else min(seq_len, w) for w in windows)
+        return 6.0 * self.active_params() + 12.0 * args.n_heads * args.head_dim * keys
