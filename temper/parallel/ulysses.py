@@ -47,6 +47,16 @@ def check_heads(n_heads: int, n_kv_heads: int, sp: int) -> None:
         )
 
 
+def check_mtp(mtp_depth: int) -> None:
+    """Multi-token prediction reads each position's next tokens, which at a slice's end sit
+    on the next SP rank: refused rather than trained on wrong inputs."""
+    if mtp_depth:
+        raise ConfigError(
+            "parallelism.sp > 1 with model.mtp_depth > 0 is not supported: a draft depth "
+            "reads the next tokens, which sit on the next SP rank at a slice's end"
+        )
+
+
 def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
     """SP rank ``rank``'s slice (of ``size``) of a [b, s] batch, right-padded to a multiple of
     ``size``.
@@ -141,11 +151,7 @@ class SequenceParallel:
         routing statistics. Runs on the meta model, before any other wrapper."""
         args = model.args
         check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), self.size)
-        if getattr(args, "mtp_depth", 0):
-            raise ConfigError(
-                "parallelism.sp > 1 with model.mtp_depth > 0 is not supported: a draft depth "
-                "reads the next tokens, which sit on the next SP rank at a slice's end"
-            )
+        check_mtp(getattr(args, "mtp_depth", 0))
         attend = UlyssesAttention(self.group)
         for block in model.layers:
             block.attention.attend = attend

@@ -8,7 +8,7 @@ import torch
 
 from temper.config import ConfigError
 from temper.objectives.causal_lm import DOCUMENT_POSITIONS, IGNORE_INDEX, documents
-from temper.parallel.ulysses import PAD_POSITION, check_heads, shard_batch
+from temper.parallel.ulysses import PAD_POSITION, check_heads, check_mtp, shard_batch
 
 
 def _packed_batch() -> dict[str, torch.Tensor]:
@@ -55,3 +55,9 @@ def test_heads_split_or_kv_heads_replicate() -> None:
         check_heads(n_heads=8, n_kv_heads=4, sp=3)
     with pytest.raises(ConfigError, match=r"parallelism.sp \(4\) and .* KV heads \(6\)"):
         check_heads(n_heads=12, n_kv_heads=6, sp=4)
+
+
+def test_multi_token_prediction_is_refused_by_name() -> None:
+    check_mtp(0)
+    with pytest.raises(ConfigError, match=r"parallelism\.sp > 1 with model\.mtp_depth"):
+        check_mtp(1)
