@@ -237,3 +237,16 @@ def test_dcp_checkpoint_round_trip_keeps_the_mtp_layer(tmp_path: Path) -> None:
     assert [k for k in after if k.startswith("model.layers.2.")]
     for key, value in before.items():
         assert torch.equal(value, after[key]), key
+
+
+def test_flops_count_the_depths() -> None:
+    with torch.device("meta"):
+        plain = DeepseekV3Transformer(TINY)
+        drafted = DeepseekV3Transformer(dataclasses.replace(TINY, mtp_depth=1))
+    depth_params = sum(p.numel() for p in drafted.mtp.parameters())
+    routed = sum(p.numel() for p in drafted.mtp[0].block.feed_forward.experts.parameters())
+    active_depth = depth_params - routed * (1 - TINY.top_k / TINY.n_experts)
+    head = TINY.vocab_size * TINY.dim
+    attention = 6.0 * TINY.n_heads * (16 + 8) * 32  # one more layer's scores at 32 tokens
+    expected = plain.flops_per_token(32) + 6.0 * (active_depth + head) + attention
+    assert drafted.flops_per_token(32) == pytest.approx(expected, rel=1e-12)

@@ -150,7 +150,7 @@ FLAVORS: dict[str, DeepseekV3Args] = {
         rope_theta=50000.0,
         max_seq_len=8192,
     ),
-    # DeepSeek-V3's config.json, without its multi-token-prediction layer.
+    # DeepSeek-V3's config.json, without its multi-token-prediction layer (mtp_depth=1 adds it).
     "671b": DeepseekV3Args(
         dim=7168,
         n_layers=61,

@@ -99,9 +99,11 @@ class DeepseekV3Transformer(Qwen3MoeTransformer):
             return None
         if not self.mtp_hidden:
             raise RuntimeError("no MTP hidden states: run a training-mode forward first")
+        # Released here: the graph keeps what backward needs, nothing keeps them past it.
+        hidden, self.mtp_hidden = self.mtp_hidden, []
         chunk = kernel_settings().chunk_tokens(labels.device)
         return mtp_loss(
-            self.mtp_hidden,
+            hidden,
             self.output.weight,
             labels,
             position_ids,
@@ -152,8 +154,11 @@ class DeepseekV3Transformer(Qwen3MoeTransformer):
         """Training FLOPs (forward + backward) per token at ``seq_len``: 6 per active weight
         plus MLA's scores, 6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len
         (QK^T over qk_nope + qk_rope dims, AV over v dims; full, not causal-halved, as
-        torchtitan counts)."""
+        torchtitan counts). MTP depths count as layers (their weights are among the active
+        ones), and each applies the shared head once more."""
         args = self.args
         head_dims = args.qk_head_dim + args.v_head_dim
-        attention = 6.0 * args.n_layers * args.n_heads * head_dims * seq_len
-        return 6.0 * self.active_params() + attention
+        layers = args.n_layers + args.mtp_depth
+        attention = 6.0 * layers * args.n_heads * head_dims * seq_len
+        drafts_head = args.mtp_depth * self.output.weight.numel()
+        return 6.0 * (self.active_params() + drafts_head) + attention
