@@ -3,6 +3,8 @@ attention against the definition written out, flex against the sdpa reference.""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GptOssConfig
@@ -139,3 +141,19 @@ def test_flops_count_sliding_layers_over_their_window() -> None:
     dense = 6.0 * model.active_params()
     assert model.flops_per_token(64) == dense + 12 * 8 * 32 * (16 + 64 + 16 + 64)
     assert model.flops_per_token(8) == dense + 12 * 8 * 32 * 8 * 4
+
+
+@pytest.mark.parametrize("flavor", ["20b", "120b"])
+def test_release_rope_equals_transformers(flavor: str) -> None:
+    """YaRN at the release's settings (factor 32 over 4096, untruncated ramp, head_dim 64):
+    the same inverse frequencies bit for bit, and the same attention factor on cos/sin."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from temper.models.layers.rope import rope_inv_freq
+
+    args = FLAVORS[flavor]
+    config = args_to_hf(args)
+    hf_config = GptOssConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, None)
+    assert torch.equal(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), inv_freq)
+    assert args.rope_scale == attention_factor == pytest.approx(0.1 * math.log(32) + 1)
