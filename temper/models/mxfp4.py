@@ -12,6 +12,8 @@ so the result does not depend on the dtype it is computed in.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from temper.models.safetensors_io import SafetensorsFolder
@@ -28,10 +30,17 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"MXFP4 blocks {list(blocks.shape)} do not fit scales {list(scales.shape)}"
         )
+    if blocks.dim() > 3:
+        # One expert at a time: the codes' index tensor would be 32 bytes a weight at once.
+        *prefix, rows, groups, pair_bytes = blocks.shape
+        out = torch.empty(*prefix, groups * pair_bytes * 2, rows, device=blocks.device)
+        for index in itertools.product(*map(range, prefix)):
+            out[index] = dequantize(blocks[index], scales[index])
+        return out
     lut = torch.tensor(FP4_VALUES, device=blocks.device)
     lut = torch.cat([lut, -lut])
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # low nibble first
-    values = lut[codes].flatten(-2)  # [..., rows, groups, 32]
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).int()  # low nibble first
+    values = lut[codes].flatten(-2)  # [rows, groups, 32]
     exponents = scales.to(torch.int32) - 127
     values = torch.ldexp(values, exponents.unsqueeze(-1))
     return values.flatten(-2).transpose(-1, -2)
