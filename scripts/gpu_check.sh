@@ -22,7 +22,7 @@ triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/g
 # whose fast paths only run on CUDA (grouped GEMM, flash varlen / flex attention, and
 # selective checkpointing keeping each backend's output).
 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_kernels_triton.py \
-  tests/unit/test_grouped_gemm.py tests/unit/test_attention.py \
+  tests/unit/test_grouped_gemm.py tests/unit/test_attention.py tests/unit/test_gpt_oss.py \
   tests/distributed/test_activation_checkpoint.py 2>&1 | tee "$LOGS/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

@@ -41,7 +41,18 @@ class Model:
     attn: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Attention backend (block-causal over packed documents): sdpa with an explicit mask
     (reference, CPU training), flex (FlexAttention; CUDA, forward only on CPU), varlen (flash,
-    CUDA sm80+, bf16). auto = sdpa, or for packed documents on CUDA varlen else flex."""
+    CUDA sm80+, bf16). auto = sdpa, or on CUDA for packed documents varlen else flex, and for
+    attention sinks (gpt-oss) flex."""
+    mtp_depth: int | None = None
+    """Multi-token-prediction depths (deepseek_v3), trained jointly with a weighted draft loss;
+    None = the flavor's or hf_path config's (0 / num_nextn_predict_layers)."""
+    mtp_loss_weight: float | None = None
+    """Weight of the MTP loss, shared by the depths; None = the model's (0.3)."""
+
+    def arg_overrides(self) -> dict[str, int | float]:
+        """The fields above that replace the model's own arguments, where set."""
+        fields = {"mtp_depth": self.mtp_depth, "mtp_loss_weight": self.mtp_loss_weight}
+        return {name: value for name, value in fields.items() if value is not None}
 
 
 @dataclass

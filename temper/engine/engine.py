@@ -201,9 +201,10 @@ class Engine:
 
 def build_meta_model(config: Config) -> nn.Module:
     """The run's architecture on meta: from `model.hf_path`'s config.json, else the flavor."""
+    overrides = config.model.arg_overrides()
     if config.model.hf_path is not None:
-        return build_hf_model(config.model.hf_path)
-    return build_model(config.model.name, config.model.flavor)
+        return build_hf_model(config.model.hf_path, overrides=overrides)
+    return build_model(config.model.name, config.model.flavor, overrides=overrides)
 
 
 def _check_vocab(tokenizer: Tokenizer, model_vocab: int, config: Config) -> None:

@@ -8,9 +8,16 @@ FlexAttention ``BlockMask``, ``varlen`` the ``cu_seqlens`` of torch's flash varl
 The mask is built on the full (global) sequence, so sequence-parallel code can slice the
 batch and still hand attention, which sees whole sequences, the same object.
 
+Two gpt-oss features ride on every backend: a sliding ``window`` (a query sees its own and the
+``window - 1`` keys before it) and attention ``sinks`` (a learned logit per head that joins each
+softmax row and takes its share of the mass, then is dropped). The sdpa reference builds the
+window into its explicit mask and appends the sink column to the scores; flex applies the
+window as a mask and the sinks from its log-sum-exp, ``out * sigmoid(lse - sink)``; varlen
+takes windows but not sinks.
+
 Device facts: FlexAttention runs forward on CPU and CUDA but has no backward on CPU;
-varlen is CUDA-only (flash attention: sm80+, bf16/fp16). ``auto`` is sdpa, except for
-packed documents on CUDA: varlen where it can run, else flex.
+varlen is CUDA-only (flash attention: sm80+, bf16/fp16). ``auto`` is sdpa, except on CUDA for
+packed documents (varlen where it can run, else flex) and for sinks or windows (flex).
 """
 
 from __future__ import annotations
@@ -24,7 +31,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
 from torch.nn.attention.varlen import varlen_attn
 
 from temper.config import Config, ConfigError, register_rule
@@ -49,13 +61,16 @@ class DocumentMask:
     ``doc_ids`` [b, s] numbers the documents of each row from 0; ``cu_seqlens`` [n + 1]
     (int32) are the document starts in the flattened ``b * s`` tokens plus the total, and
     ``max_seqlen`` the longest document, as varlen kernels take them. ``block_mask`` is
-    FlexAttention's form, built once per forward (``with_block_mask``) and shared by layers.
+    FlexAttention's form, built once per forward (``with_block_mask``) and shared by layers;
+    ``window_block_mask`` the same with the sliding ``window`` of the model's windowed layers.
     """
 
     doc_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
     block_mask: BlockMask | None = None
+    window: int | None = None
+    window_block_mask: BlockMask | None = None
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> DocumentMask:
@@ -80,27 +95,53 @@ class DocumentMask:
         ends = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
         return cls(doc_ids, ends, seq_len)
 
-    def with_block_mask(self) -> DocumentMask:
-        """This mask plus its FlexAttention ``BlockMask`` (built on the ids' device)."""
+    def with_block_mask(self, window: int | None = None) -> DocumentMask:
+        """This mask plus its FlexAttention ``BlockMask`` (built on the ids' device), and with
+        ``window`` also the sliding-window one."""
+        block_mask = self._block_mask(None)
+        if window is None:
+            return dataclasses.replace(self, block_mask=block_mask)
+        return dataclasses.replace(
+            self, block_mask=block_mask, window=window, window_block_mask=self._block_mask(window)
+        )
+
+    def block_mask_for(self, window: int | None) -> BlockMask:
+        """The ``BlockMask`` for ``window`` (None: no window): the prebuilt one, else built."""
+        prebuilt = self.block_mask if window is None else self.window_block_mask
+        if prebuilt is not None and (window is None or window == self.window):
+            return prebuilt
+        return self._block_mask(window)
+
+    def _block_mask(self, window: int | None) -> BlockMask:
         doc_ids = self.doc_ids
         batch, seq_len = doc_ids.shape
 
         def same_document_causal(
             b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
         ) -> torch.Tensor:
-            return (doc_ids[b, q] == doc_ids[b, kv]) & (kv <= q)
+            visible = (doc_ids[b, q] == doc_ids[b, kv]) & (kv <= q)
+            return visible if window is None else visible & (q - kv < window)
 
-        block_mask = create_block_mask(
+        return create_block_mask(
             same_document_causal, batch, None, seq_len, seq_len, device=doc_ids.device
         )
-        return dataclasses.replace(self, block_mask=block_mask)
 
-    def dense(self) -> torch.Tensor:
-        """The boolean mask [b, 1, s, s]: True where query i may attend key j."""
+    def dense(self, window: int | None = None) -> torch.Tensor:
+        """The boolean mask [b, 1, s, s]: True where query i may attend key j (with ``window``:
+        also ``i - j < window``)."""
         ids = self.doc_ids
         seq_len = ids.shape[1]
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=ids.device).tril()
-        return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+        band = causal_band(seq_len, seq_len, window, ids.device)
+        return ((ids[:, :, None] == ids[:, None, :]) & band)[:, None]
+
+
+def causal_band(s_q: int, s_k: int, window: int | None, device: torch.device | str) -> torch.Tensor:
+    """[s_q, s_k] bool: the queries are the last ``s_q`` of ``s_k`` positions (a KV cache's new
+    tokens, or all of them) and see the keys at or before them, within ``window`` if set."""
+    queries = torch.arange(s_k - s_q, s_k, device=device)[:, None]
+    keys = torch.arange(s_k, device=device)
+    band = keys <= queries
+    return band if window is None else band & (queries - keys < window)
 
 
 def backend_unavailable(
@@ -136,9 +177,12 @@ def backend_unavailable(
     return None
 
 
-def resolve_backend(backend: Backend, x: torch.Tensor, *, packed: bool) -> Backend:
+def resolve_backend(
+    backend: Backend, x: torch.Tensor, *, packed: bool, sinks: bool = False, window: bool = False
+) -> Backend:
     """The concrete backend for inputs like ``x`` (its device, autocast-aware dtype and
-    whether autograd records it); raises AttentionBackendError when it cannot run."""
+    whether autograd records it), packed documents, attention sinks and sliding windows;
+    raises AttentionBackendError when it cannot run."""
     if backend not in BACKENDS:
         raise AttentionBackendError(f"unknown attention backend {backend!r}; choose {BACKENDS}")
     device = x.device
@@ -146,10 +190,15 @@ def resolve_backend(backend: Backend, x: torch.Tensor, *, packed: bool) -> Backe
     dtype = torch.get_autocast_dtype(device.type) if autocast else x.dtype
     backward = torch.is_grad_enabled() and x.requires_grad
     if backend == "auto":
-        if not packed or device.type != "cuda":
+        if device.type != "cuda" or not (packed or sinks or window):
             return "sdpa"
         can_varlen = backend_unavailable("varlen", device, dtype, backward=backward) is None
-        return "varlen" if can_varlen else "flex"
+        return "varlen" if can_varlen and not sinks else "flex"
+    if backend == "varlen" and sinks:
+        raise AttentionBackendError(
+            "attention backend 'varlen': flash varlen has no attention sinks; use flex (GPU) "
+            "or sdpa"
+        )
     reason = backend_unavailable(backend, device, dtype, backward=backward)
     if reason is not None:
         raise AttentionBackendError(f"attention backend {backend!r}: {reason}")
@@ -157,18 +206,26 @@ def resolve_backend(backend: Backend, x: torch.Tensor, *, packed: bool) -> Backe
 
 
 def prepare_documents(
-    backend: Backend, docs: DocumentMask | None, x: torch.Tensor, seq_len: int
+    backend: Backend,
+    docs: DocumentMask | None,
+    x: torch.Tensor,
+    seq_len: int,
+    *,
+    window: int | None = None,
+    sinks: bool = False,
 ) -> tuple[Backend, DocumentMask | None]:
     """Resolve the backend once per forward for hidden states ``x`` [b, ...] and build what
-    all layers share: flex's BlockMask (whole rows when there are no documents) at
-    ``seq_len``, the length attention sees: the whole sequence under sequence parallelism,
-    where ``x`` holds a slice."""
-    backend = resolve_backend(backend, x, packed=docs is not None)
+    all layers share: flex's BlockMasks (whole rows when there are no documents; also the
+    sliding one when some layers attend within ``window``) at ``seq_len``, the length
+    attention sees: the whole sequence under sequence parallelism, where ``x`` holds a
+    slice."""
+    packed = docs is not None
+    backend = resolve_backend(backend, x, packed=packed, sinks=sinks, window=window is not None)
     if backend != "flex":
         return backend, docs
     if docs is None:
         docs = DocumentMask.whole_rows(x.shape[0], seq_len, x.device)
-    return backend, docs.with_block_mask()
+    return backend, docs.with_block_mask(window)
 
 
 def attention(
@@ -180,14 +237,20 @@ def attention(
     backend: Backend = "auto",
     scale: float | None = None,
     mask: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal (block-causal with ``docs``) attention: q, k [b, s, h(_kv), d] and
     v [b, s, h_kv, d_v] with h a multiple of h_kv (GQA) -> [b, s, h, d_v]. ``scale`` replaces
     the softmax scale ``d ** -0.5`` (MLA's YaRN correction); ``d_v`` may differ from ``d`` (MLA).
 
     ``mask`` [b, 1, s_q, s_k] (True: attend) replaces causal order where queries do not line
-    up with keys: new tokens against a KV cache (``temper.models.layers.kv_cache``). It runs
-    on sdpa, the one backend that takes an arbitrary mask.
+    up with keys: new tokens against a KV cache (``temper.models.layers.kv_cache``), the
+    queries being the last s_q columns. It runs on sdpa, the one backend that takes an
+    arbitrary mask.
+
+    ``window``: each query sees only keys fewer than ``window`` positions (columns) back.
+    ``sinks`` [h]: one extra logit per head in every softmax row, whose probability is dropped.
 
     Heads stay on dim 2 so sequence-parallel all-to-alls can wrap this function unchanged.
     """
@@ -197,14 +260,18 @@ def attention(
                 f"an explicit attention mask runs on sdpa without documents, got backend "
                 f"{backend!r} and docs={docs is not None}"
             )
-        return _sdpa_with_mask(q, k, v, mask, scale)
+        if window is not None:
+            mask = mask & causal_band(q.shape[1], k.shape[1], window, q.device)
+        return _reference(q, k, v, mask, scale, sinks)
     if docs is not None and tuple(docs.doc_ids.shape) != tuple(q.shape[:2]):
         raise ValueError(
             f"document mask is for [batch, seq] = {list(docs.doc_ids.shape)}, attention got "
             f"{list(q.shape[:2])}; build it on the full sequence the attention sees"
         )
-    backend = resolve_backend(backend, q, packed=docs is not None)
-    return _BACKENDS[backend](q, k, v, docs, scale)
+    backend = resolve_backend(
+        backend, q, packed=docs is not None, sinks=sinks is not None, window=window is not None
+    )
+    return _BACKENDS[backend](q, k, v, docs, scale, window, sinks)
 
 
 def _sdpa(
@@ -213,19 +280,31 @@ def _sdpa(
     v: torch.Tensor,
     docs: DocumentMask | None,
     scale: float | None,
+    window: int | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The reference: is_causal without documents, else the explicit block-causal mask."""
-    return _sdpa_with_mask(q, k, v, None if docs is None else docs.dense(), scale)
+    """The reference: is_causal without documents, windows or sinks, else an explicit mask."""
+    if docs is not None:
+        mask = docs.dense(window)
+    elif window is not None or sinks is not None:
+        mask = causal_band(q.shape[1], k.shape[1], window, q.device)[None, None]
+    else:
+        mask = None
+    return _reference(q, k, v, mask, scale, sinks)
 
 
-def _sdpa_with_mask(
+def _reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """sdpa on [b, s, h, d] tensors; a boolean ``mask`` [b, 1, s_q, s_k], or causal if None."""
+    """sdpa on [b, s, h, d] tensors, a boolean ``mask`` [b, 1, s_q, s_k] or causal if None;
+    with ``sinks``, the softmax written out so the sink column can join each row."""
+    if sinks is not None:
+        return _with_sink_column(q, k, v, mask, scale, sinks)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -236,6 +315,25 @@ def _sdpa_with_mask(
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
+
+
+def _with_sink_column(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """softmax([q k^T * scale, sink]) without the sink's column, times v: the definition."""
+    b, s_q, h, d = q.shape
+    groups = h // k.shape[2]
+    keys, values = (t.transpose(1, 2).repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = q.transpose(1, 2) @ keys.transpose(2, 3) * (d**-0.5 if scale is None else scale)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, s_q, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs.to(values.dtype) @ values).transpose(1, 2)
 
 
 @functools.cache
@@ -250,11 +348,13 @@ def _flex(
     v: torch.Tensor,
     docs: DocumentMask | None,
     scale: float | None,
+    window: int | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
+    """Flex with the (windowed) block mask; sinks rescale each row by the share of the mass
+    the scores keep: ``sigmoid(lse - sink)``, from flex's log-sum-exp."""
     if docs is None:
         docs = DocumentMask.whole_rows(q.shape[0], q.shape[1], q.device)
-    if docs.block_mask is None:
-        docs = docs.with_block_mask()
     # Inside a compiled block the block's compile fuses flex. Compiled flex on CPU (torch
     # 2.13) returns wrong values for some small shapes (seq 8, head_dim 8), so CPU, where
     # flex is a forward-only check, runs the exact eager version.
@@ -264,10 +364,15 @@ def _flex(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        block_mask=docs.block_mask,
+        block_mask=docs.block_mask_for(window),
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
+        return_aux=None if sinks is None else AuxRequest(lse=True),
     )
+    if sinks is not None:
+        out, aux = out
+        kept = torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+        out = (out * kept).to(q.dtype)
     return out.transpose(1, 2)
 
 
@@ -277,8 +382,11 @@ def _varlen(
     v: torch.Tensor,
     docs: DocumentMask | None,
     scale: float | None,
+    window: int | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Flash varlen over the flattened batch: every document is its own causal sequence."""
+    """Flash varlen over the flattened batch: every document is its own causal sequence
+    (``resolve_backend`` refuses sinks here)."""
     b, s, h, d = q.shape
     d_v = v.shape[3]
     if docs is None:
@@ -300,7 +408,7 @@ def _varlen(
         docs.max_seqlen,
         docs.max_seqlen,
         scale=scale,
-        window_size=(-1, 0),
+        window_size=(-1 if window is None else window - 1, 0),
         **gqa,
     )
     return out.view(b, s, h, -1)[..., :d_v]

@@ -1,6 +1,7 @@
 """Native model families; importing this package registers the built-in ones."""
 
 from temper.models import deepseek_v3 as deepseek_v3
+from temper.models import gpt_oss as gpt_oss
 from temper.models import llama3 as llama3
 from temper.models import qwen3 as qwen3
 from temper.models import qwen3_moe as qwen3_moe

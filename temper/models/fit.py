@@ -23,6 +23,16 @@ def check_heads(n_heads: int, n_kv_heads: int, sp: int) -> None:
         )
 
 
+def check_mtp(mtp_depth: int) -> None:
+    """Multi-token prediction reads each position's next tokens, which at a slice's end sit
+    on the next SP rank: refused rather than trained on wrong inputs."""
+    if mtp_depth:
+        raise ConfigError(
+            "parallelism.sp > 1 with model.mtp_depth > 0 is not supported: a draft depth "
+            "reads the next tokens, which sit on the next SP rank at a slice's end"
+        )
+
+
 def check_decoder_layout(args: Any, parallelism: Parallelism) -> None:
     """The rule of the decoders built on ``models/layers``: routed experts (``n_experts``,
     0 for a dense model) split evenly over ``ep``; attention heads over ``sp``."""
@@ -34,6 +44,7 @@ def check_decoder_layout(args: Any, parallelism: Parallelism) -> None:
         raise ConfigError(f"parallelism.ep ({ep}) must divide the number of experts ({n_experts})")
     if sp > 1:
         check_heads(args.n_heads, args.n_kv_heads, sp)
+        check_mtp(getattr(args, "mtp_depth", 0))
 
 
 @register_rule
@@ -41,7 +52,7 @@ def check_model(config: Config, world_size: int) -> None:
     """``model.*`` names a registered family and flavor (or a readable HF folder), and the
     parallel layout fits its sizes."""
     from temper.models.hf import read_hf_args
-    from temper.models.registry import get_model_spec, model_names
+    from temper.models.registry import get_model_spec, model_names, replace_args
 
     model = config.model
     if model.hf_path is not None:
@@ -69,6 +80,10 @@ def check_model(config: Config, world_size: int) -> None:
             f"training.seq_len ({config.training.seq_len}) must be at least parallelism.sp "
             f"({config.parallelism.sp}): every SP rank holds a slice of each sequence"
         )
+    try:
+        args = replace_args(spec.name, args, model.arg_overrides())
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from err
     try:
         spec.check_layout(args, config.parallelism)
     except ConfigError as error:

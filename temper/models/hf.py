@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from temper.models.layers.rope import RopeScaling, YarnScaling
 from temper.models.lora import LoRALinear, full_tensor, merged_weight
-from temper.models.registry import ModelSpec, all_model_specs, spec_of
+from temper.models.mxfp4 import Mxfp4Folder
+from temper.models.registry import ModelSpec, all_model_specs, replace_args, spec_of
 from temper.models.safetensors_io import (
     DEFAULT_SHARD_BYTES,
     SafetensorsFolder,
@@ -60,6 +61,9 @@ class HFAdapter:
     buffer_rules: Callable[[Any], list[KeyRule]] = lambda args: []
     """Persistent buffers that HF checkpoints hold too (DeepSeek V3's expert bias): read and
     written like parameters, but they have no gradient."""
+    fit_to_folder: Callable[[Any, set[str]], Any] = lambda args, tensor_names: args
+    """The args read from config.json, fitted to the tensor names the folder holds: DeepSeek
+    V3's multi-token-prediction layers, which transformers' configs declare without saving."""
 
 
 def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
@@ -76,21 +80,29 @@ def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
 
 
 def read_hf_args(folder: str | os.PathLike[str]) -> tuple[ModelSpec, Any]:
-    """The family and ModelArgs described by a folder's config.json."""
+    """The family and ModelArgs described by a folder's config.json, fitted to the tensors
+    it holds (``HFAdapter.fit_to_folder``)."""
     path = Path(folder) / "config.json"
     hf_config = read_json(path, "HF model config")
     spec = find_hf_family(hf_config, path)
     try:
-        return spec, spec.hf_adapter.args_from_hf(hf_config)
+        args = spec.hf_adapter.args_from_hf(hf_config)
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: cannot read a {spec.name} config: {err}") from err
+    return spec, spec.hf_adapter.fit_to_folder(args, set(open_tensors(folder).keys()))
 
 
-def build_hf_model(folder: str | os.PathLike[str], vocab_size: int | None = None) -> nn.Module:
-    """The folder's architecture on the meta device, ready to parallelize and load."""
+def build_hf_model(
+    folder: str | os.PathLike[str],
+    vocab_size: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """The folder's architecture on the meta device, ready to parallelize and load;
+    ``overrides`` replace args fields as in ``build_model``."""
     spec, args = read_hf_args(folder)
     if vocab_size is not None:
         args = dataclasses.replace(args, vocab_size=vocab_size)
+    args = replace_args(spec.name, args, overrides or {})
     with torch.device("meta"):
         return spec.model_cls(args)
 
@@ -99,9 +111,12 @@ def load_hf(
     path: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    overrides: Mapping[str, Any] | None = None,
 ) -> nn.Module:
-    """The native model of an HF folder, with its weights, on `device` in `dtype`."""
-    return materialize(build_hf_model(path), device, hf_path=path).to(dtype)
+    """The native model of an HF folder, with its weights, on `device` in `dtype`;
+    ``overrides`` replace args fields (``{"mtp_depth": 1}`` reads DeepSeek's MTP layer)."""
+    model = build_hf_model(path, overrides=overrides)
+    return materialize(model, device, hf_path=path).to(dtype)
 
 
 def materialize(
@@ -122,9 +137,11 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """Fill a materialized model (plain or DTensor-sharded) from an HF folder.
 
     Every missing and every mis-shaped tensor is named in one error before anything
-    is copied. A sharded parameter reads only its own rows of stacked experts.
+    is copied. A sharded parameter reads only its own rows of stacked experts. A folder whose
+    config.json says ``quant_method: mxfp4`` (gpt-oss releases) has its MXFP4 tensors
+    dequantized as they are read.
     """
-    tensors = SafetensorsFolder(folder)
+    tensors = open_tensors(folder)
     rules = _rules_of(model)
     params = _named_tensors(model)
     missing, wrong = [], []
@@ -146,6 +163,17 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     with torch.no_grad():
         for rule in rules:
             _fill(params[rule.native], rule, tensors)
+
+
+def open_tensors(folder: str | os.PathLike[str]) -> SafetensorsFolder | Mxfp4Folder:
+    """The folder's tensors by name, MXFP4 pairs read as their dequantized tensor when its
+    config.json declares that quantization."""
+    tensors = SafetensorsFolder(folder)
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return tensors
+    quantization = read_json(config, "HF model config").get("quantization_config") or {}
+    return Mxfp4Folder(tensors) if quantization.get("quant_method") == "mxfp4" else tensors
 
 
 def save_hf(
@@ -178,6 +206,7 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     native parameter at a time (a collective on every rank when sharded), LoRA adapters merged
     into their base weights: what an inference server loads, without a whole copy in memory."""
     tensors = _named_tensors(model)
+    yielded: set[str] = set()
     adapters = {
         f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LoRALinear)
     }
@@ -185,6 +214,9 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         value = full_tensor(tensors[rule.native].detach())
         if rule.native in adapters:
             value = merged_weight(value, adapters[rule.native])
+        if rule.native in yielded:  # a second HF copy (MTP's head): its own storage
+            value = value.clone()
+        yielded.add(rule.native)
         parts = [value] if len(rule.hf) == 1 else list(value.unbind(0))
         yield from zip(rule.hf, parts, strict=True)
 
@@ -206,7 +238,7 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
 
 
-def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder) -> None:
+def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder | Mxfp4Folder) -> None:
     if not isinstance(param, DTensor):
         param.copy_(_read_rows(rule, tensors, slice(0, param.shape[0])))
         return
@@ -219,7 +251,9 @@ def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder) -> Non
     local.copy_(value)
 
 
-def _read_rows(rule: KeyRule, tensors: SafetensorsFolder, rows: slice) -> torch.Tensor:
+def _read_rows(
+    rule: KeyRule, tensors: SafetensorsFolder | Mxfp4Folder, rows: slice
+) -> torch.Tensor:
     """Rows `rows` of dim 0: a slice of one tensor, or a stack of only the needed experts."""
     if len(rule.hf) == 1:
         return tensors.read(rule.hf[0], rows)

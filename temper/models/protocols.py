@@ -3,9 +3,12 @@ with ``isinstance`` instead of probing for attributes."""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from temper.models.layers.mtp import MTPLoss
 
 
 class RoutedArgs(Protocol):
@@ -31,3 +34,13 @@ class PostStepHook(Protocol):
     expert-bias balancing); every rank calls it at the same point."""
 
     def after_optimizer_step(self) -> None: ...
+
+
+@runtime_checkable
+class MultiTokenPredictor(Protocol):
+    """A model with multi-token-prediction depths (DeepSeek V3): after a training forward,
+    ``mtp_loss`` gives their weighted draft loss and metrics (None without depths)."""
+
+    def mtp_loss(
+        self, labels: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> MTPLoss | None: ...

@@ -61,10 +61,12 @@ def build_model(
     *,
     device: torch.device | str = "meta",
     vocab_size: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Build a flavor on the meta device; on any other device also allocate and init weights.
 
-    ``vocab_size`` replaces the flavor's, e.g. to fit a tokenizer.
+    ``vocab_size`` replaces the flavor's, e.g. to fit a tokenizer; ``overrides`` other args
+    fields (``model.mtp_depth``, say; see ``replace_args``).
     """
     spec = get_model_spec(name)
     if flavor not in spec.flavors:
@@ -74,6 +76,7 @@ def build_model(
     args = spec.flavors[flavor]
     if vocab_size is not None:
         args = dataclasses.replace(args, vocab_size=vocab_size)
+    args = replace_args(name, args, overrides or {})
     with torch.device("meta"):
         model = spec.model_cls(args)
     if torch.device(device).type != "meta":
@@ -81,3 +84,16 @@ def build_model(
 
         materialize(model, device)
     return model
+
+
+def replace_args(family: str, args: Any, overrides: Mapping[str, Any]) -> Any:
+    """``args`` with the config's ``model.<field>`` ``overrides``; a field the family's args
+    lack fails by name."""
+    fields = {f.name for f in dataclasses.fields(args)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"model.{unknown[0]} is not a setting of the {family} family "
+            f"({type(args).__name__} has no such field)"
+        )
+    return dataclasses.replace(args, **overrides) if overrides else args

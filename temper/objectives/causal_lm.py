@@ -23,7 +23,7 @@ from temper.kernels.cross_entropy import (
     log_probs_from_logits,
 )
 from temper.kernels.dispatch import kernel_settings
-from temper.models.protocols import RoutedModel
+from temper.models.protocols import MultiTokenPredictor, RoutedModel
 from temper.objectives.registry import Metrics, Objective, register_objective
 
 
@@ -56,7 +56,9 @@ class CausalLM:
     valid token, so after the trainer's division the gradient carries coef x the token-weighted
     mean of aux over micro-batches and ranks, and one batch's loss equals HF's CE + coef * aux.
     ``z_loss_weight`` adds ``weight * logsumexp(logits)^2`` per valid token (PaLM's z-loss),
-    which keeps the softmax normalizer near 1 and the logits from drifting in bf16.
+    which keeps the softmax normalizer near 1 and the logits from drifting in bf16. A model
+    with multi-token-prediction depths (``mtp_loss``) adds their weighted cross-entropy sum
+    and logs ``mtp_loss`` and ``mtp_accuracy`` (the drafts' next-token accuracy).
     """
 
     def __init__(self, z_loss_weight: float = 0.0) -> None:
@@ -92,6 +94,13 @@ class CausalLM:
             loss_sum = loss_sum + model.args.router_aux_loss_coef * aux * n_tokens
             metrics["aux_loss"] = aux.detach()
             metrics["moe_load_imbalance"] = model.load_imbalance().detach()
+        # Multi-token prediction (DeepSeek V3): its weighted draft losses join the sum.
+        if isinstance(model, MultiTokenPredictor):
+            mtp = model.mtp_loss(labels, batch.get("position_ids"))
+            if mtp is not None:
+                loss_sum = loss_sum + mtp.weighted_sum
+                metrics["mtp_loss"] = torch.as_tensor(mtp.mean)
+                metrics["mtp_accuracy"] = torch.as_tensor(mtp.accuracy)
         return loss_sum, n_tokens, metrics
 
 

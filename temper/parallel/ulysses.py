@@ -25,7 +25,7 @@ from torch import nn
 from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, SEQUENCE_SHARD, Batch, SequenceShard
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.attention import attention as causal_attention
-from temper.models.fit import check_heads
+from temper.models.fit import check_heads, check_mtp
 from temper.utils.compat import all_to_all_single_autograd
 
 PAD_POSITION = -1
@@ -71,6 +71,7 @@ class UlyssesAttention:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
 
     def __call__(
         self,
@@ -81,11 +82,18 @@ class UlyssesAttention:
         *,
         backend: Backend = "auto",
         scale: float | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``sinks`` [h] are per head: this rank attends with those of its head slice."""
         if k.shape[2] < self.size:
             k, v = (t.repeat_interleave(self.size // k.shape[2], dim=2) for t in (k, v))
         q, k, v = (self._heads_to_ranks(t) for t in (q, k, v))
-        out = causal_attention(q, k, v, docs, backend=backend, scale=scale)
+        if sinks is not None:
+            sinks = sinks.view(self.size, -1)[self.rank]
+        out = causal_attention(
+            q, k, v, docs, backend=backend, scale=scale, window=window, sinks=sinks
+        )
         return self._sequence_to_ranks(out)
 
     def _heads_to_ranks(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +129,7 @@ class SequenceParallel:
         ``SequenceShard``."""
         args = model.args
         check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), self.size)
+        check_mtp(getattr(args, "mtp_depth", 0))
         attend = UlyssesAttention(self.group)
         for block in model.layers:
             block.attention.attend = attend

@@ -23,6 +23,15 @@ def deepseek_v3_debug() -> Config:
     )
 
 
+def deepseek_v3_debug_mtp() -> Config:
+    """The debug model with one multi-token-prediction depth trained jointly (weight 0.3):
+    logs ``mtp_loss`` and ``mtp_accuracy``, the draft's next-token accuracy."""
+    config = deepseek_v3_debug()
+    config.job.dump_folder = "./outputs/deepseek_v3_debug_mtp"
+    config.model.mtp_depth = 1
+    return config
+
+
 def deepseek_v3_16b() -> Config:
     """The 16B flavor (Moonlight-16B-A3B's shape: 64 experts, top 6, 2 shared) in bf16 at
     4096 tokens, 128 sequences (0.5M tokens) per optimizer step on GPUs.
@@ -56,4 +65,15 @@ def deepseek_v3_671b() -> Config:
     config.job.dump_folder = "./outputs/deepseek_v3_671b"
     config.model = Model(name="deepseek_v3", flavor="671b")
     config.training.global_batch_size = 256
+    return config
+
+
+def deepseek_v3_671b_mtp() -> Config:
+    """DeepSeek-V3 with its multi-token-prediction depth, as trained and released (the hub
+    folder holds it as ``model.layers.61``): ``--model.hf_path`` to the local folder keeps it,
+    and exports write it back. Weight 0.1, DeepSeek V3's value late in pretraining."""
+    config = deepseek_v3_671b()
+    config.job.dump_folder = "./outputs/deepseek_v3_671b_mtp"
+    config.model.mtp_depth = 1
+    config.model.mtp_loss_weight = 0.1
     return config

@@ -77,8 +77,9 @@ def check_forward_and_grads(
 def checkpoint_grads(hf_model: nn.Module) -> dict[str, torch.Tensor]:
     """HF gradients under checkpoint names: transformers 5 fuses MoE experts in memory
     (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj` [E, D, I]) but saves one tensor per
-    expert and projection."""
-    grads = {}
+    expert and projection. The fused names stay too, for families that save them fused
+    (gpt-oss)."""
+    grads = {name: param.grad for name, param in hf_model.named_parameters()}
     for name, param in hf_model.named_parameters():
         experts = name.rpartition(".")[0]
         if name.endswith("experts.gate_up_proj"):
@@ -88,8 +89,6 @@ def checkpoint_grads(hf_model: nn.Module) -> dict[str, torch.Tensor]:
         elif name.endswith("experts.down_proj"):
             for e, down in enumerate(param.grad):
                 grads[f"{experts}.{e}.down_proj.weight"] = down
-        else:
-            grads[name] = param.grad
     return grads
 
 

@@ -34,6 +34,15 @@ TINY = {  # each family's debug flavor, shrunk; every MoE family keeps one dense
         "v_head_dim": 10,
         "moe_hidden_dim": 32,
     },
+    # Window 4: the prompts and their continuations run past it; sinks in every layer.
+    "gpt_oss": {
+        **{k: v for k, v in SMALL.items() if k != "ffn_hidden_dim"},
+        "n_kv_heads": 2,
+        "head_dim": 16,
+        "moe_hidden_dim": 32,
+        "sliding_window": 4,
+        "layer_types": (),
+    },
 }
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 1, 2]]
 NEW = 6

@@ -47,8 +47,16 @@ class DeepseekV3Args:
     V3 balances with the expert bias instead, and transformers' class computes no aux loss."""
     expert_bias_update_rate: float = 1e-3
     """Step of the aux-loss-free bias update after each optimizer step; 0 disables it."""
+    mtp_depth: int = 0
+    """Multi-token-prediction depths after the last layer (HF's num_nextn_predict_layers; 1 in
+    DeepSeek-V3's checkpoint). 0: none, the model is exactly the one without MTP."""
+    mtp_loss_weight: float = 0.3
+    """The MTP loss weight (DeepSeek V3's lambda, 0.3 early in its pretraining, then 0.1),
+    shared by the depths: each adds ``weight / mtp_depth`` times its cross-entropy."""
 
     def __post_init__(self) -> None:
+        if self.mtp_depth < 0:
+            raise ValueError(f"mtp_depth {self.mtp_depth} must be >= 0")
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, n_experts = {self.n_experts}]")
         if self.n_experts % self.n_groups or self.n_experts // self.n_groups < 2:
@@ -142,7 +150,7 @@ FLAVORS: dict[str, DeepseekV3Args] = {
         rope_theta=50000.0,
         max_seq_len=8192,
     ),
-    # DeepSeek-V3's config.json, without its multi-token-prediction layer.
+    # DeepSeek-V3's config.json, without its multi-token-prediction layer (mtp_depth=1 adds it).
     "671b": DeepseekV3Args(
         dim=7168,
         n_layers=61,

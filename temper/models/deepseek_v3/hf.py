@@ -4,12 +4,20 @@ Hub checkpoints, and `save_pretrained` of transformers 5 (which fuses gate/up in
 hold one tensor per routed expert and projection (`mlp.experts.E.gate_proj.weight`), stacked
 here as in Qwen3-MoE; the shared experts are one SwiGLU (`mlp.shared_experts.*`), and each MoE
 layer's `mlp.gate.e_score_correction_bias` buffer is the native router's `expert_bias`.
-Multi-token-prediction layers (`model.layers.61` of DeepSeek-V3) are not read, as in
-transformers.
+Multi-token-prediction depths (`num_nextn_predict_layers`; `model.layers.61` of DeepSeek-V3)
+are read and written as the hub holds them: layer `n_layers + k` is a full decoder layer plus
+`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the embedding
+(`embed_tokens`) and head (`shared_head.head`), which the native model shares with the main
+ones (loaded from the main tensors' keys last; written under both). transformers itself does
+not read them, and writes `num_nextn_predict_layers: 1` (its default) into configs whose
+folders hold no such layer, so a folder's depth is the count of those layers it holds
+(`fit_to_folder`); `--model.mtp_depth` (`load_hf(..., overrides=...)`) asks for another,
+any missing tensor then named. Exports write the count they hold.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from temper.models.deepseek_v3.args import DeepseekV3Args
@@ -78,7 +86,21 @@ def args_from_hf(config: dict[str, Any]) -> DeepseekV3Args:
         rope_interleave=config.get("rope_interleave", True),
         tie_embeddings=config.get("tie_word_embeddings", False),
         max_seq_len=config.get("max_position_embeddings", 4096),
+        mtp_depth=config.get("num_nextn_predict_layers") or 0,
     )
+
+
+def fit_to_folder(args: DeepseekV3Args, tensor_names: set[str]) -> DeepseekV3Args:
+    """``num_nextn_predict_layers`` MTP depths only if the folder holds their layers: the
+    depths whose `eh_proj` is there (transformers writes 1, its default, and saves none)."""
+    depth = 0
+    while depth < args.mtp_depth and mtp_marker(args, depth) in tensor_names:
+        depth += 1
+    return dataclasses.replace(args, mtp_depth=depth)
+
+
+def mtp_marker(args: DeepseekV3Args, k: int) -> str:
+    return f"model.layers.{args.n_layers + k}.eh_proj.weight"
 
 
 def args_to_hf(args: DeepseekV3Args) -> dict[str, Any]:
@@ -112,7 +134,7 @@ def args_to_hf(args: DeepseekV3Args) -> dict[str, Any]:
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "rope_interleave": args.rope_interleave,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_depth,
         **rope_to_hf(args.rope_theta, args.rope_scaling),
     }
 
@@ -129,31 +151,72 @@ def shared_expert_rules(layer_id: int) -> list[KeyRule]:
     ]
 
 
-def key_rules(args: DeepseekV3Args) -> list[KeyRule]:
-    """Embedding, blocks (MLA, norms, dense MLP or routed + shared experts), norm, head."""
-    rules = [KeyRule("tok_embeddings.weight", ("model.embed_tokens.weight",))]
+# Native name within an MTP depth -> HF name within its layer.
+MTP_KEYS = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+
+
+def layer_rules(args: DeepseekV3Args, i: int) -> list[KeyRule]:
+    """Decoder layer ``i``: MLA, norms, dense MLP or routed + shared experts."""
     block = {**(PLAIN_Q_KEYS if args.q_lora_rank is None else LATENT_Q_KEYS), **ATTENTION_KEYS}
+    rules = [KeyRule(f"layers.{i}.{n}", (f"model.layers.{i}.{h}",)) for n, h in block.items()]
+    if args.is_moe_layer(i):
+        return rules + moe_rules(args, i) + shared_expert_rules(i)
+    return rules + dense_mlp_rules(i)
+
+
+def mtp_rules(args: DeepseekV3Args, rules_of_layer: list[KeyRule], k: int) -> list[KeyRule]:
+    """MTP depth ``k`` (HF layer ``n_layers + k``): its own tensors, then its block's (the
+    rules of that layer index, renamed into ``mtp.k.block``), then the shared embedding and
+    head's copies, last so that loading ends on the main tensors' values."""
+    layer = args.n_layers + k
+    hf = f"model.layers.{layer}"
+    rules = [KeyRule(f"mtp.{k}.{n}", (f"{hf}.{h}",)) for n, h in MTP_KEYS.items()]
+    rules += [
+        KeyRule(r.native.replace(f"layers.{layer}.", f"mtp.{k}.block.", 1), r.hf)
+        for r in rules_of_layer
+    ]
+    head = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"
+    return rules + [
+        KeyRule("tok_embeddings.weight", (f"{hf}.embed_tokens.weight",)),
+        KeyRule(head, (f"{hf}.shared_head.head.weight",)),
+    ]
+
+
+def key_rules(args: DeepseekV3Args) -> list[KeyRule]:
+    """Embedding, layers, MTP depths, norm, head (the main tensors last: see ``mtp_rules``)."""
+    rules = []
     for i in range(args.n_layers):
-        rules += [KeyRule(f"layers.{i}.{n}", (f"model.layers.{i}.{h}",)) for n, h in block.items()]
-        if args.is_moe_layer(i):
-            rules += moe_rules(args, i) + shared_expert_rules(i)
-        else:
-            rules += dense_mlp_rules(i)
+        rules += layer_rules(args, i)
+    for k in range(args.mtp_depth):
+        rules += mtp_rules(args, layer_rules(args, args.n_layers + k), k)
+    rules.append(KeyRule("tok_embeddings.weight", ("model.embed_tokens.weight",)))
     rules.append(KeyRule("norm.weight", ("model.norm.weight",)))
     if not args.tie_embeddings:
         rules.append(KeyRule("output.weight", ("lm_head.weight",)))
     return rules
 
 
+def _expert_bias_rule(i: int) -> KeyRule:
+    return KeyRule(
+        f"layers.{i}.feed_forward.router.expert_bias",
+        (f"model.layers.{i}.mlp.gate.e_score_correction_bias",),
+    )
+
+
 def buffer_rules(args: DeepseekV3Args) -> list[KeyRule]:
-    return [
-        KeyRule(
-            f"layers.{i}.feed_forward.router.expert_bias",
-            (f"model.layers.{i}.mlp.gate.e_score_correction_bias",),
-        )
-        for i in range(args.n_layers)
-        if args.is_moe_layer(i)
-    ]
+    rules = [_expert_bias_rule(i) for i in range(args.n_layers) if args.is_moe_layer(i)]
+    for k in range(args.mtp_depth):
+        layer = args.n_layers + k
+        if args.is_moe_layer(layer):
+            rule = _expert_bias_rule(layer)
+            native = rule.native.replace(f"layers.{layer}.", f"mtp.{k}.block.", 1)
+            rules.append(KeyRule(native, rule.hf))
+    return rules
 
 
 ADAPTER = HFAdapter(
@@ -162,4 +225,5 @@ ADAPTER = HFAdapter(
     args_to_hf=args_to_hf,
     key_rules=key_rules,
     buffer_rules=buffer_rules,
+    fit_to_folder=fit_to_folder,
 )

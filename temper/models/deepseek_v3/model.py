@@ -1,8 +1,15 @@
 """DeepSeek V3: the Qwen3-MoE decoder with multi-head latent attention and DeepSeek's router."""
 
+import torch
 from torch import nn
 
+from temper.data.batch import SequenceShard
+from temper.kernels.attention import DocumentMask, prepare_documents
+from temper.kernels.dispatch import kernel_settings
 from temper.models.deepseek_v3.args import DeepseekV3Args
+from temper.models.layers.decoder import INIT_STD, Block
+from temper.models.layers.init import depth_scaled_std
+from temper.models.layers.kv_cache import KVCache
 from temper.models.layers.mla import MLA
 from temper.models.layers.mlp import FeedForward
 from temper.models.layers.moe import (
@@ -11,6 +18,8 @@ from temper.models.layers.moe import (
     MoE,
     update_expert_bias,
 )
+from temper.models.layers.mtp import MTPLoss, MultiTokenPredictor, mtp_loss
+from temper.models.layers.rope import rope_cos_sin
 from temper.models.qwen3_moe.model import Qwen3MoeTransformer
 
 
@@ -18,9 +27,91 @@ class DeepseekV3Transformer(Qwen3MoeTransformer):
     """DeepSeek V3 causal LM. Inherited from the shared Decoder and Qwen3-MoE: ``forward``,
     ``hidden_states`` (packed documents, attention backends), ``init_weights``, ``aux_loss``,
     ``load_imbalance`` and the active-parameter count (shared experts in full, routed ones
-    as top_k / n_experts). It states only its attention (MLA) and its MoE."""
+    as top_k / n_experts). It states its attention (MLA), its MoE and the optional
+    multi-token-prediction depths ``mtp`` (``temper.models.layers.mtp``), which run in training
+    mode only and leave the main model's outputs unchanged."""
 
     args: DeepseekV3Args
+
+    def __init__(self, args: DeepseekV3Args) -> None:
+        super().__init__(args)
+        # The depths are the layers after the last (HF's model.layers.{n_layers + k}).
+        self.mtp = nn.ModuleList(
+            MultiTokenPredictor(
+                args.dim,
+                args.norm_eps,
+                Block(
+                    args, self.attention(args.n_layers + k), self.feed_forward(args.n_layers + k)
+                ),
+            )
+            for k in range(args.mtp_depth)
+        )
+        self.mtp_hidden: list[torch.Tensor] = []
+        """Each depth's normed hidden states in the latest training forward (for ``mtp_loss``)."""
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The main model's init, then the depths' (so with or without MTP the main weights
+        draw the same numbers)."""
+        super().init_weights()
+        out_std = depth_scaled_std(INIT_STD, self.args.n_layers)
+        for depth in self.mtp:
+            depth.init_weights(INIT_STD, out_std)
+
+    def _hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        docs: DocumentMask | None,
+        cache: KVCache | None,
+        shard: SequenceShard | None,
+    ) -> torch.Tensor:
+        """The shared decoder's; in training mode the MTP depths also run on its output (never
+        on a sequence-parallel slice: the config refuses SP with MTP)."""
+        h = super()._hidden_states(input_ids, position_ids, docs, cache, shard)
+        self.mtp_hidden = []
+        if len(self.mtp) and cache is None and self.training:
+            self.mtp_hidden = self._predict_ahead(h, input_ids, position_ids, docs)
+        return h
+
+    def _predict_ahead(
+        self,
+        h: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        docs: DocumentMask | None,
+    ) -> list[torch.Tensor]:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids)
+        backend, docs = prepare_documents(self.attn_backend, docs, h, h.shape[1])
+        # Rolled, the last columns hold wrapped tokens: their targets are ignored, and causal
+        # attention keeps them from every other position.
+        embedded = self.tok_embeddings(input_ids)
+        normed = []
+        for k, depth in enumerate(self.mtp):
+            h = depth(h, embedded.roll(-(k + 1), dims=1), cos, sin, docs, backend)
+            normed.append(depth.norm(h))
+        return normed
+
+    def mtp_loss(self, labels: torch.Tensor, position_ids: torch.Tensor | None) -> MTPLoss | None:
+        """The MTP loss of the latest training forward for its ``labels`` [b, s] (the main
+        targets) and packed ``position_ids``; None without MTP depths."""
+        if not len(self.mtp):
+            return None
+        if not self.mtp_hidden:
+            raise RuntimeError("no MTP hidden states: run a training-mode forward first")
+        # Released here: the graph keeps what backward needs, nothing keeps them past it.
+        hidden, self.mtp_hidden = self.mtp_hidden, []
+        chunk = kernel_settings().chunk_tokens(labels.device)
+        return mtp_loss(
+            hidden,
+            self.output.weight,
+            labels,
+            position_ids,
+            self.args.mtp_loss_weight,
+            chunk,
+        )
 
     def attention(self, layer_id: int) -> nn.Module:
         args = self.args
@@ -64,8 +155,11 @@ class DeepseekV3Transformer(Qwen3MoeTransformer):
         """Training FLOPs (forward + backward) per token at ``seq_len``: 6 per active weight
         plus MLA's scores, 6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len
         (QK^T over qk_nope + qk_rope dims, AV over v dims; full, not causal-halved, as
-        torchtitan counts)."""
+        torchtitan counts). MTP depths count as layers (their weights are among the active
+        ones), and each applies the shared head once more."""
         args = self.args
         head_dims = args.qk_head_dim + args.v_head_dim
-        attention = 6.0 * args.n_layers * args.n_heads * head_dims * seq_len
-        return 6.0 * self.active_params() + attention
+        layers = args.n_layers + args.mtp_depth
+        attention = 6.0 * layers * args.n_heads * head_dims * seq_len
+        drafts_head = args.mtp_depth * self.output.weight.numel()
+        return 6.0 * (self.active_params() + drafts_head) + attention

@@ -76,6 +76,10 @@ class Decoder(nn.Module):
     """Per-head RMSNorm of q and k before rotary (Qwen3)."""
     attn_backend: Backend = "auto"
     """Attention backend (``temper.kernels.attention``); the trainer sets it from model.attn."""
+    sliding_window: int | None = None
+    """The window of the layers that attend within one (gpt-oss), so flex masks are shared."""
+    attention_sinks: bool = False
+    """Layers add a learned sink logit per head (gpt-oss): on CUDA, ``auto`` picks flex."""
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
@@ -166,7 +170,14 @@ class Decoder(nn.Module):
         if shard is not None:
             seq_len, valid_len = shard.seq_len, shard.valid_len
         if cache is None:
-            backend, docs = prepare_documents(self.attn_backend, docs, h, seq_len)
+            backend, docs = prepare_documents(
+                self.attn_backend,
+                docs,
+                h,
+                seq_len,
+                window=self.sliding_window,
+                sinks=self.attention_sinks,
+            )
             caches: list[LayerCache | None] = [None] * len(self.layers)
         elif docs is not None or shard is not None:
             raise ValueError(

@@ -58,10 +58,17 @@ class LayerCache:
         self.v: torch.Tensor | None = None
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this forward's k, v [b, n, h_kv, d] in their columns, then attend q [b, n, h, d]
-        to every key so far: [b, n, h, d_v]. ``scale`` as for ``attention``."""
+        to every key so far: [b, n, h, d_v]. ``scale``, ``window`` (in columns, as
+        transformers' sliding caches count) and ``sinks`` as for ``attention``."""
         cache = self.cache
         if self.k is None or self.v is None:
             b, max_len = cache.valid.shape
@@ -70,4 +77,5 @@ class LayerCache:
         start, end = cache.length - k.shape[1], cache.length
         self.k[:, start:end] = k
         self.v[:, start:end] = v
-        return attention(q, self.k[:, :end], self.v[:, :end], scale=scale, mask=cache.mask)
+        keys, values = self.k[:, :end], self.v[:, :end]
+        return attention(q, keys, values, scale=scale, mask=cache.mask, window=window, sinks=sinks)

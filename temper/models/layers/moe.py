@@ -219,7 +219,8 @@ class MoE(nn.Module):
 
     ``group_limited`` selects DeepSeek V3's router instead of the softmax top-k; with
     ``n_shared_experts``, one SwiGLU of ``n_shared_experts * hidden_dim`` sees every token and
-    adds to the routed output.
+    adds to the routed output. ``router`` and ``experts`` replace the built-in ones (gpt-oss's,
+    ``temper.models.layers.clamped_moe``), with the same call contracts.
     """
 
     def __init__(
@@ -232,14 +233,18 @@ class MoE(nn.Module):
         *,
         group_limited: GroupLimitedRouting | None = None,
         n_shared_experts: int = 0,
+        router: nn.Module | None = None,
+        experts: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.n_experts = n_experts
-        if group_limited is None:
+        if router is not None:
+            self.router = router
+        elif group_limited is None:
             self.router = TopKRouter(dim, n_experts, top_k, norm_topk_prob)
         else:
             self.router = GroupLimitedRouter(dim, n_experts, top_k, norm_topk_prob, group_limited)
-        self.experts = GroupedExperts(dim, hidden_dim, n_experts)
+        self.experts = GroupedExperts(dim, hidden_dim, n_experts) if experts is None else experts
         self.shared_experts = (
             FeedForward(dim, n_shared_experts * hidden_dim) if n_shared_experts else None
         )
