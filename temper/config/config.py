@@ -100,6 +100,10 @@ class Optimizer:
     muon_distribute: Literal["size", "round_robin"] = "size"
     """muon under FSDP/HSDP: how matrices are assigned to the rank that orthogonalizes them:
     by Newton-Schulz cost (balanced) or round-robin."""
+    muon_qk_clip: float = 0.0
+    """muon: QK-clip threshold (MuonClip; Kimi K2 used 100): after each step, a head whose
+    largest attention logit exceeded it has its query weights scaled by threshold / max.
+    0 = off. Grouped-query attention without q/k norms; not with sp > 1 or compile."""
     offload_during_rollout: bool = False
     """grpo: move the optimizer state to CPU while rollouts are sampled, freeing device
     memory for the KV cache; it comes back before the next step."""
@@ -333,9 +337,9 @@ class Config:
                 f"training.global_batch_size ({global_}) must be -1 or a positive multiple of "
                 f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
             )
-        from temper.optim.muon import check_muon
+        from temper.optim.muon import check_optimizer
 
-        check_muon(self.optimizer)
+        check_optimizer(self)
         _check_model(self.model)
         _check_expert_parallel(self)
         _check_sequence_parallel(self)

@@ -22,8 +22,8 @@ from typing import Any, Literal
 import torch
 from torch.distributed.tensor import DTensor
 
-from temper.config import ConfigError
-from temper.config import Optimizer as OptimizerConfig
+from temper.config import Config, ConfigError
+from temper.optim.qk_clip import QKClip
 from temper.optim.sharded_matrices import CommStats, RowShardedMatrices, row_shard_dim
 
 # Keller Jordan's coefficients, the ones torch.optim.Muon uses: the steepest slope at zero
@@ -98,6 +98,7 @@ class Muon(torch.optim.Optimizer):
         distribute: Distribute = "size",
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        qk_clip: QKClip | None = None,
     ) -> None:
         defaults = dict(
             algorithm="muon",
@@ -124,6 +125,7 @@ class Muon(torch.optim.Optimizer):
                             f"Muon steps matrices ([rows, cols]) or stacked experts "
                             f"([n, rows, cols]); got a parameter of shape {tuple(p.shape)}"
                         )
+        self.qk_clip = qk_clip
         self._exchanges: dict[tuple[int, ...], RowShardedMatrices] = {}
         self.comm = CommStats()
         """Bytes this rank sent and received for Muon in the latest step, and what gathering
@@ -139,7 +141,15 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "adamw":
                 self._adamw(group)
         self._muon([g for g in self.param_groups if g["algorithm"] == "muon"])
+        if self.qk_clip is not None:
+            self.qk_clip.apply()
         return loss
+
+    def set_offloaded(self, offloaded: bool) -> None:
+        """`OptimizerOffload`'s notice: QK-clip ignores the forwards of an offloaded spell
+        (rollouts), which are no training step's."""
+        if self.qk_clip is not None:
+            self.qk_clip.pause(offloaded)
 
     def _muon(self, groups: list[dict[str, Any]]) -> None:
         """Momentum on local shards; orthogonalize whole matrices where they are, row-sharded
@@ -225,23 +235,37 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def check_muon(config: OptimizerConfig) -> None:
+def check_optimizer(config: Config) -> None:
     """`Config.validate`'s rules for the ``optimizer.muon_*`` fields (named in the error)."""
-    if config.name != "muon":
+    section = config.optimizer
+    if section.name != "muon":
         return
-    if config.muon_lr is not None and config.muon_lr <= 0:
-        raise ConfigError(f"optimizer.muon_lr must be > 0 (or None = lr), got {config.muon_lr}")
-    if config.muon_weight_decay is not None and config.muon_weight_decay < 0:
+    if section.muon_lr is not None and section.muon_lr <= 0:
+        raise ConfigError(f"optimizer.muon_lr must be > 0 (or None = lr), got {section.muon_lr}")
+    if section.muon_weight_decay is not None and section.muon_weight_decay < 0:
         raise ConfigError(
             f"optimizer.muon_weight_decay must be >= 0 (or None = weight_decay), got "
-            f"{config.muon_weight_decay}"
+            f"{section.muon_weight_decay}"
         )
-    if not 0.0 <= config.muon_momentum < 1.0:
-        raise ConfigError(f"optimizer.muon_momentum must be in [0, 1), got {config.muon_momentum}")
-    if not 1 <= config.muon_ns_steps <= 20:
+    if not 0.0 <= section.muon_momentum < 1.0:
+        raise ConfigError(f"optimizer.muon_momentum must be in [0, 1), got {section.muon_momentum}")
+    if not 1 <= section.muon_ns_steps <= 20:
         raise ConfigError(
             f"optimizer.muon_ns_steps must be in [1, 20] (5 is the tuned value), got "
-            f"{config.muon_ns_steps}"
+            f"{section.muon_ns_steps}"
         )
-    if config.muon_update_rms <= 0:
-        raise ConfigError(f"optimizer.muon_update_rms must be > 0, got {config.muon_update_rms}")
+    if section.muon_update_rms <= 0:
+        raise ConfigError(f"optimizer.muon_update_rms must be > 0, got {section.muon_update_rms}")
+    if section.muon_qk_clip < 0:
+        raise ConfigError(f"optimizer.muon_qk_clip must be >= 0, got {section.muon_qk_clip}")
+    if section.muon_qk_clip > 0:
+        if config.parallelism.sp > 1:
+            raise ConfigError(
+                "optimizer.muon_qk_clip with parallelism.sp > 1: a rank holds a slice of each "
+                "sequence's keys, not the whole logits; turn one off"
+            )
+        if config.compile.enable:
+            raise ConfigError(
+                "optimizer.muon_qk_clip with compile.enable: the logit statistic is a side "
+                "effect a compiled block does not keep; turn one off"
+            )

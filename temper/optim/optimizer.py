@@ -8,6 +8,7 @@ from torch import nn
 from temper.config import Optimizer as OptimizerConfig
 from temper.models.layers.moe import MoE
 from temper.optim.muon import Muon
+from temper.optim.qk_clip import QKClip
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -75,4 +76,5 @@ def build_muon(model: nn.Module, config: OptimizerConfig) -> Muon:
         distribute=config.muon_distribute,
         betas=(config.beta1, config.beta2),
         eps=config.eps,
+        qk_clip=QKClip(model, config.muon_qk_clip) if config.muon_qk_clip > 0 else None,
     )

@@ -3,6 +3,8 @@ and optimizer offload with its state."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +12,8 @@ from torch import nn
 from temper.config import Config, ConfigError, Job, Metrics, Training
 from temper.config import Optimizer as OptimizerConfig
 from temper.models import build_model, materialize
-from temper.optim import build_optimizer
+from temper.models.layers.rope import apply_rope
+from temper.optim import OptimizerOffload, build_optimizer
 from temper.optim.muon import Muon, orthogonalize
 from temper.optim.sharded_matrices import assign_owners, rows_of
 from temper.trainer.trainer import Trainer
@@ -110,6 +113,7 @@ def test_muon_steps_block_matrices_and_experts_adamw_the_rest() -> None:
         ("muon_momentum", 1.0, r"optimizer.muon_momentum must be in \[0, 1\)"),
         ("muon_ns_steps", 0, r"optimizer.muon_ns_steps must be in \[1, 20\]"),
         ("muon_update_rms", 0.0, "optimizer.muon_update_rms must be > 0"),
+        ("muon_qk_clip", -1.0, "optimizer.muon_qk_clip must be >= 0"),
     ],
 )
 def test_muon_fields_are_validated(field: str, value: float, message: str) -> None:
@@ -156,3 +160,83 @@ def test_offload_and_restore_keep_muons_next_step(tmp_path) -> None:
     assert got["loss"] == want["loss"]
     for a, b in zip(plain.model.parameters(), offloaded.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).float().logsumexp(-1).mean()
+
+
+def test_qk_clip_scales_the_query_rows_of_heads_over_the_threshold() -> None:
+    """Against per-head maxima computed by hand (every causal pair, in a loop) from the
+    attention inputs of the same forward: heads above the threshold have their wq rows
+    scaled by threshold / max after the step, all else equals a step without QK-clip."""
+    torch.manual_seed(0)
+    models = [materialize(build_model("llama3", "debug"), "cpu") for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    config = OptimizerConfig(name="muon", lr=1e-2)
+    plain = build_optimizer(models[0], config)
+    clipped = build_optimizer(models[1], dataclasses.replace(config, muon_qk_clip=1.0))
+    maxima: list[torch.Tensor] = []
+
+    def by_hand(attention: nn.Module, args: tuple) -> None:
+        x, cos, sin = args[:3]
+        b, s, _ = x.shape
+        q = apply_rope(attention.wq(x).view(b, s, -1, attention.head_dim), cos, sin)
+        k = apply_rope(attention.wk(x).view(b, s, -1, attention.head_dim), cos, sin)
+        group = q.size(2) // k.size(2)
+        heads = torch.full((q.size(2),), -torch.inf)
+        for h in range(q.size(2)):
+            for i in range(s):
+                logits = (q[:, i, h, None] * k[:, : i + 1, h // group]).sum(-1)
+                heads[h] = max(heads[h], logits.max() / attention.head_dim**0.5)
+        maxima.append(heads)
+
+    hooks = [layer.attention.register_forward_pre_hook(by_hand) for layer in models[1].layers]
+    ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    for model in models:
+        _loss(model, ids).backward()
+    for hook in hooks:
+        hook.remove()
+    # The threshold splits the heads: some over it, some under.
+    clipped.qk_clip.threshold = threshold = torch.cat(maxima).median().item()
+    plain.step()
+    clipped.step()
+    assert 0 < clipped.qk_clip.clipped < len(torch.cat(maxima))
+    for layer, kept, heads in zip(models[1].layers, models[0].layers, maxima, strict=True):
+        factor = (threshold / heads).clamp(max=1.0).repeat_interleave(layer.attention.head_dim)
+        want = kept.attention.wq.weight * factor[:, None]
+        torch.testing.assert_close(layer.attention.wq.weight, want, rtol=1e-5, atol=1e-7)
+    clipped_names = {f"layers.{i}.attention.wq.weight" for i in range(len(models[0].layers))}
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        if name not in clipped_names:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_qk_clip_statistics_pause_while_the_optimizer_is_offloaded() -> None:
+    model = materialize(build_model("llama3", "debug"), "cpu")
+    optimizer = build_optimizer(model, OptimizerConfig(name="muon", muon_qk_clip=100.0))
+    offload = OptimizerOffload(optimizer)
+    ids = torch.randint(0, 2048, (1, 8))
+    stats = [layer.attention.logit_max for layer in model.layers]
+    with torch.no_grad():
+        offload.offload()
+        model(ids)  # a rollout's forward
+        assert all(s.value is None for s in stats)
+        offload.restore()
+        model(ids)
+    assert all(s.value is not None and s.value.shape == (8,) for s in stats)
+
+
+def test_qk_clip_refuses_models_and_layouts_it_cannot_serve() -> None:
+    model = build_model("qwen3", "debug")  # q_norm / k_norm
+    with pytest.raises(ConfigError, match="normalizes q and k per head"):
+        build_optimizer(model, OptimizerConfig(name="muon", muon_qk_clip=100.0))
+    with pytest.raises(ConfigError, match="multi-head latent attention"):
+        build_optimizer(
+            build_model("deepseek_v3", "debug"), OptimizerConfig(name="muon", muon_qk_clip=1.0)
+        )
+    config = Config()
+    config.optimizer.name, config.optimizer.muon_qk_clip = "muon", 100.0
+    config.compile.enable = True
+    with pytest.raises(ConfigError, match="optimizer.muon_qk_clip with compile.enable"):
+        config.validate(world_size=1)
