@@ -33,27 +33,34 @@ def with_muon(config: Config) -> Config:
     return config
 
 
-def _config(recipe: Callable[[], Config], folder: Path, layout: Layout) -> Config:
+def _config(recipe: Callable[[], Config], folder: Path, layout: Layout, qk_clip: float) -> Config:
     if recipe is llama3_debug:
-        return with_muon(parity_config(recipe, folder, layout))
-    return with_muon(moe_config(recipe, folder, layout))
+        config = with_muon(parity_config(recipe, folder, layout))
+    else:
+        config = with_muon(moe_config(recipe, folder, layout))
+    config.optimizer.muon_qk_clip = qk_clip
+    return config
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str, Run]:
+def references() -> dict[tuple[str, float], Run]:
     return {}
 
 
-def _case(recipe: Callable[[], Config], layout: Layout, slow: bool) -> object:
+def _case(recipe: Callable[[], Config], layout: Layout, slow: bool, qk_clip: float = 0.0) -> object:
     marks = (pytest.mark.slow,) if slow else ()
-    return pytest.param(recipe, layout, id=f"{recipe.__name__}-{layout.name}", marks=marks)
+    name = f"{recipe.__name__}-{layout.name}" + ("-qk_clip" if qk_clip else "")
+    return pytest.param(recipe, layout, qk_clip, id=name, marks=marks)
 
 
+# 0.35 is about the median of the debug Llama's per-head maxima at init: QK-clip scales about
+# half the heads at every step (tests/unit/test_muon.py checks the scaling itself).
 @pytest.mark.parametrize(
-    ("recipe", "layout"),
+    ("recipe", "layout", "qk_clip"),
     [
         _case(llama3_debug, FSDP2, slow=False),
         _case(llama3_debug, HSDP2X2, slow=True),
+        _case(llama3_debug, FSDP2, slow=True, qk_clip=0.35),
         _case(qwen3_moe_debug, EP2, slow=False),
         _case(deepseek_v3_debug, EP2_EFSDP2, slow=True),
     ],
@@ -61,16 +68,25 @@ def _case(recipe: Callable[[], Config], layout: Layout, slow: bool) -> object:
 def test_muon_layouts_train_like_one_process(
     recipe: Callable[[], Config],
     layout: Layout,
+    qk_clip: float,
     tmp_path_factory: pytest.TempPathFactory,
-    references: dict[str, Run],
+    references: dict[tuple[str, float], Run],
 ) -> None:
-    folder = tmp_path_factory.getbasetemp() / "muon" / recipe.__name__
+    folder = tmp_path_factory.getbasetemp() / "muon" / f"{recipe.__name__}-{qk_clip}"
     single = SINGLE if recipe is llama3_debug else SINGLE8
-    if recipe.__name__ not in references:
-        references[recipe.__name__] = train_layout(_config(recipe, folder, single), single)
-    run = train_layout(_config(recipe, folder, layout), layout)
+
+    def reference(clip: float) -> Run:
+        key = (recipe.__name__, clip)
+        if key not in references:
+            where = tmp_path_factory.getbasetemp() / "muon" / f"{recipe.__name__}-{clip}"
+            references[key] = train_layout(_config(recipe, where, single, clip), single)
+        return references[key]
+
+    run = train_layout(_config(recipe, folder, layout, qk_clip), layout)
     assert run.fsdp_units  # sharded: the matrices' rows are split over ranks
-    assert_same_metrics(run.rows, references[recipe.__name__].rows)
+    assert_same_metrics(run.rows, reference(qk_clip).rows)
+    if qk_clip:  # the clipping changed the run
+        assert run.rows[-1]["loss"] != pytest.approx(reference(0.0).rows[-1]["loss"], rel=1e-4)
     # Muon moved the weights differently from AdamW: the losses are its own.
     assert run.rows[-1]["loss"] < run.rows[0]["loss"]
 
