@@ -3,6 +3,7 @@
     python -m bench.optimizer_step                                    # llama3 debug, 1 and 2 ranks
     python -m bench.optimizer_step --model llama3:1b --layers 1 --steps 2
     python -m bench.optimizer_step --model qwen3_moe:debug --world 1,2 --ep 2
+    python -m bench.optimizer_step --device cuda --world 1 --model llama3:8b --layers 4
 
 Each (optimizer, world) case runs in fresh gloo processes (one CPU thread each): the model
 is built as the trainer builds it (FSDP2 over every rank when world > 1), every gradient is
@@ -11,7 +12,8 @@ up (it allocates the state) and the time is the slowest rank's fastest later ste
 its CPU time (on a machine whose cores other work shares, the CPU seconds a rank spent show
 how work divides over ranks better than the wall clock). Memory
 per rank: the optimizer state's bytes, and the resident set's high-water mark during the
-timed steps above the resident set before them (Muon's owner rank holds whole matrices and
+timed steps above the resident set before them (on CUDA the allocator's peak above its
+allocation before them; Muon's owner rank holds whole matrices and
 the Newton-Schulz temporaries there). Communication: the bytes Muon's all-to-alls sent and
 received on the busiest rank, against what gathering every sharded matrix on every rank
 (in the same dtype) would have received, and how many row-sharded matrices each rank
@@ -37,7 +39,9 @@ from bench.train_step import _peak_rss_gib, _reset_peak, _rss_gib
 MIB = 2**20
 
 
-def _rank(model_name: str, layers: int, optimizer: str, ns_dtype: str, steps: int, ep: int) -> dict:
+def _rank(
+    model_name: str, layers: int, optimizer: str, ns_dtype: str, steps: int, ep: int, device: str
+) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -66,11 +70,12 @@ def _rank(model_name: str, layers: int, optimizer: str, ns_dtype: str, steps: in
     with torch.device("meta"):
         model = spec.model_cls(args)
     parallelize_decoder(model, config, meshes, torch.float32)
-    model = materialize(model, "cpu")
-    generator = torch.Generator().manual_seed(0)
+    where = torch.device(device)
+    model = materialize(model, where)
+    generator = torch.Generator(where).manual_seed(0)
     for p in model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
-        grad = torch.randn(local.shape, generator=generator) * 1e-3
+        grad = torch.randn(local.shape, generator=generator, device=where) * 1e-3
         if isinstance(p, DTensor):
             grad = DTensor.from_local(
                 grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
@@ -78,17 +83,20 @@ def _rank(model_name: str, layers: int, optimizer: str, ns_dtype: str, steps: in
         p.grad = grad
     opt = build_optimizer(model, config.optimizer)
     opt.step()  # allocates the state
-    before = _rss_gib()
-    _reset_peak(torch.device("cpu"))
+    cuda = where.type == "cuda"
+    before = torch.cuda.memory_allocated(where) / 2**30 if cuda else _rss_gib()
+    _reset_peak(where)
     times, cpu = [], []
     for _ in range(steps - 1):
         if world > 1:
             dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(where)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
-    peak = _peak_rss_gib() - before
+    peak = (torch.cuda.max_memory_allocated(where) / 2**30 if cuda else _peak_rss_gib()) - before
     state = sum(
         (v.to_local() if isinstance(v, DTensor) else v).nbytes
         for s in opt.state.values()
@@ -117,13 +125,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps, the first warms up")
     parser.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism when ranks > 1")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one rank only)")
     args = parser.parse_args()
+    if args.device != "cpu" and args.world != "1":
+        parser.error("--device cuda runs one rank: pass --world 1")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
     from harness import run_on_ranks
 
     layers = f", {args.layers} blocks" if args.layers else ""
     ns = f"Newton-Schulz {args.ns_dtype}"
-    print(f"{args.model}{layers}, fp32 CPU, {ns}, torch {torch.__version__}\n")
+    print(f"{args.model}{layers}, fp32 {args.device}, {ns}, torch {torch.__version__}\n")
     print(
         "| ranks | optimizer | step (s) | vs AdamW | CPU s/rank | state MiB/rank "
         "| step peak MiB/rank | sharded matrices/rank | sent MiB | received MiB "
@@ -143,6 +154,7 @@ def main() -> None:
                 args.ns_dtype,
                 args.steps,
                 ep,
+                args.device,
                 timeout=3600.0,
             )
             step = max(r["time"] for r in ranks)
