@@ -20,6 +20,7 @@ import math
 from typing import Any, Literal
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from temper.config import Config, ConfigError
@@ -126,7 +127,7 @@ class Muon(torch.optim.Optimizer):
                             f"([n, rows, cols]); got a parameter of shape {tuple(p.shape)}"
                         )
         self.qk_clip = qk_clip
-        self._exchanges: dict[tuple[int, ...], RowShardedMatrices] = {}
+        self._exchanges: dict[tuple[Any, ...], RowShardedMatrices] = {}
         self.comm = CommStats()
         """Bytes this rank sent and received for Muon in the latest step, and what gathering
         every sharded matrix on every rank would have received."""
@@ -137,10 +138,13 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        stats = CommStats()
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw(group)
-        self._muon([g for g in self.param_groups if g["algorithm"] == "muon"])
+            else:
+                self._muon(group, stats)
+        self.comm = stats
         if self.qk_clip is not None:
             self.qk_clip.apply()
         return loss
@@ -151,54 +155,43 @@ class Muon(torch.optim.Optimizer):
         if self.qk_clip is not None:
             self.qk_clip.pause(offloaded)
 
-    def _muon(self, groups: list[dict[str, Any]]) -> None:
+    def _muon(self, group: dict[str, Any], stats: CommStats) -> None:
         """Momentum on local shards; orthogonalize whole matrices where they are, row-sharded
-        ones by their owner rank; then the update, on local shards again."""
-        whole: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
-        sharded: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor, dict]]] = {}
-        for group in groups:
-            momentum = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                shard_dim = row_shard_dim(p)
-                if shard_dim is None:
-                    whole.append((p, update, group))
-                else:
-                    key = (*p.device_mesh.mesh.flatten().tolist(), shard_dim, id(group))
-                    sharded.setdefault(key, []).append((p, update, group))
-
-        stats = CommStats()
-        for p, update, group in whole:
-            steps, dtype = group["ns_steps"], getattr(torch, group["ns_dtype"])
-            self._apply(p, orthogonalize(update, steps, dtype), group)
-        for key, items in sharded.items():
-            group = items[0][2]
-            steps, dtype = group["ns_steps"], getattr(torch, group["ns_dtype"])
-            exchange = self._exchange(items[0][0], key)
+        ones at their owner rank; then the update, on local shards again."""
+        steps, dtype = group["ns_steps"], getattr(torch, group["ns_dtype"])
+        sharded: dict[RowShardedMatrices, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+            buf.lerp_(grad, 1 - group["momentum"])
+            update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            shard_dim = row_shard_dim(p)
+            if shard_dim is None:
+                self._apply(p, orthogonalize(update, steps, dtype), group)
+            else:
+                sharded.setdefault(self._exchange(p.device_mesh, shard_dim), []).append((p, update))
+        for exchange, items in sharded.items():
             results = exchange.orthogonalize(
-                [update for _, update, _ in items],
-                [p.shape for p, _, _ in items],
+                [update for _, update in items],
+                [p.shape for p, _ in items],
                 functools.partial(orthogonalize, steps=steps, dtype=dtype),
                 dtype=dtype,
                 assign=group["distribute"],
                 stats=stats,
             )
-            for (p, _, group), result in zip(items, results, strict=True):
+            for (p, _), result in zip(items, results, strict=True):
                 self._apply(p, result, group)
-        self.comm = stats
 
-    def _exchange(self, param: DTensor, key: tuple[int, ...]) -> RowShardedMatrices:
-        mesh_key = key[:-1]
-        if mesh_key not in self._exchanges:
-            self._exchanges[mesh_key] = RowShardedMatrices(param.device_mesh, key[-2])
-        return self._exchanges[mesh_key]
+    def _exchange(self, mesh: DeviceMesh, shard_dim: int) -> RowShardedMatrices:
+        """One exchange (and process group) per mesh layout, reused every step."""
+        key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), shard_dim)
+        if key not in self._exchanges:
+            self._exchanges[key] = RowShardedMatrices(mesh, shard_dim)
+        return self._exchanges[key]
 
     @staticmethod
     def _apply(p: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> None:

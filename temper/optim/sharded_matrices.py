@@ -37,12 +37,6 @@ class CommStats:
     matrices: int = 0
     """Row-sharded matrices this rank orthogonalized."""
 
-    def add(self, other: CommStats) -> None:
-        self.sent += other.sent
-        self.received += other.received
-        self.all_gather_received += other.all_gather_received
-        self.matrices += other.matrices
-
 
 def row_shard_dim(param: torch.Tensor) -> int | None:
     """The mesh dim that splits ``param``'s rows, or None when this rank holds whole matrices
