@@ -337,10 +337,10 @@ class Config:
                 f"training.global_batch_size ({global_}) must be -1 or a positive multiple of "
                 f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
             )
+        _check_model(self.model)
         from temper.optim.muon import check_optimizer
 
         check_optimizer(self)
-        _check_model(self.model)
         _check_expert_parallel(self)
         _check_sequence_parallel(self)
         _check_attention(self)

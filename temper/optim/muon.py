@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from temper.config import Config, ConfigError
-from temper.optim.qk_clip import QKClip
+from temper.optim.qk_clip import QKClip, clippable_attention
 from temper.optim.sharded_matrices import CommStats, RowShardedMatrices, row_shard_dim
 
 # Keller Jordan's coefficients, the ones torch.optim.Muon uses: the steepest slope at zero
@@ -262,3 +262,11 @@ def check_optimizer(config: Config) -> None:
                 "optimizer.muon_qk_clip with compile.enable: the logit statistic is a side "
                 "effect a compiled block does not keep; turn one off"
             )
+        from temper.models import build_hf_model, build_model
+
+        model = config.model
+        # On meta: the architecture's layers, no weights.
+        if model.hf_path is not None:
+            clippable_attention(build_hf_model(model.hf_path))
+        else:
+            clippable_attention(build_model(model.name, model.flavor))

@@ -29,17 +29,7 @@ class QKClip:
 
     def __init__(self, model: nn.Module, threshold: float) -> None:
         self.threshold = threshold
-        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
-        if not self.layers:
-            raise ConfigError(
-                "optimizer.muon_qk_clip needs grouped-query attention layers (wq, wk); this "
-                "model has none (multi-head latent attention is not supported)"
-            )
-        if any(not isinstance(m.q_norm, nn.Identity) for m in self.layers):
-            raise ConfigError(
-                "optimizer.muon_qk_clip: this model normalizes q and k per head (q_norm, "
-                "k_norm), which bounds the logits already and would undo a scaled wq"
-            )
+        self.layers = clippable_attention(model)
         for layer in self.layers:
             layer.logit_max = LogitMax()
         self.clipped = 0
@@ -66,6 +56,23 @@ class QKClip:
             per_row = factor.repeat_interleave(layer.head_dim)
             for param in layer.wq.parameters():
                 _scale_rows(param, per_row)
+
+
+def clippable_attention(model: nn.Module) -> list[Attention]:
+    """``model``'s attention layers, or a ConfigError saying why QK-clip cannot serve it
+    (works on the meta model, before any weight exists)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise ConfigError(
+            "optimizer.muon_qk_clip needs grouped-query attention layers (wq, wk); this "
+            "model has none (multi-head latent attention is not supported)"
+        )
+    if any(not isinstance(m.q_norm, nn.Identity) for m in layers):
+        raise ConfigError(
+            "optimizer.muon_qk_clip: this model normalizes q and k per head (q_norm, "
+            "k_norm), which bounds the logits already and would undo a scaled wq"
+        )
+    return layers
 
 
 def _scale_rows(param: torch.Tensor, per_row: torch.Tensor) -> None:

@@ -237,6 +237,11 @@ def test_qk_clip_refuses_models_and_layouts_it_cannot_serve() -> None:
         )
     config = Config()
     config.optimizer.name, config.optimizer.muon_qk_clip = "muon", 100.0
+    config.validate(world_size=1)  # the debug Llama: plain GQA
+    config.model.name = "qwen3"  # refused by validate, from the meta model
+    with pytest.raises(ConfigError, match="normalizes q and k per head"):
+        config.validate(world_size=1)
+    config.model.name = "llama3"
     config.compile.enable = True
     with pytest.raises(ConfigError, match="optimizer.muon_qk_clip with compile.enable"):
         config.validate(world_size=1)
