@@ -128,9 +128,9 @@ class Muon(torch.optim.Optimizer):
                         )
         self.qk_clip = qk_clip
         self._exchanges: dict[tuple[Any, ...], RowShardedMatrices] = {}
+        # Bytes this rank sent and received for Muon in the latest step, and what gathering
+        # every sharded matrix on every rank would have received.
         self.comm = CommStats()
-        """Bytes this rank sent and received for Muon in the latest step, and what gathering
-        every sharded matrix on every rank would have received."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

@@ -32,8 +32,7 @@ class QKClip:
         self.layers = clippable_attention(model)
         for layer in self.layers:
             layer.logit_max = LogitMax()
-        self.clipped = 0
-        """Heads clipped by the latest `apply`."""
+        self.clipped = 0  # heads clipped by the latest `apply`
 
     def pause(self, paused: bool) -> None:
         """Ignore forwards (rollouts while the optimizer is offloaded) until unpaused."""

@@ -85,8 +85,7 @@ class RowShardedMatrices:
     """Runs a whole-matrix function on matrices row-sharded over one dim of ``mesh``."""
 
     def __init__(self, mesh: DeviceMesh, shard_dim: int) -> None:
-        self.ranks: list[int] = mesh.mesh.flatten().tolist()
-        """Global rank at each mesh position (row-major)."""
+        self.ranks: list[int] = mesh.mesh.flatten().tolist()  # global rank per mesh position
         self.coords = list(itertools.product(*(range(n) for n in mesh.mesh.shape)))
         self.dim = shard_dim
         self.n_shards = mesh.mesh.shape[shard_dim]

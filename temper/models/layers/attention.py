@@ -79,8 +79,8 @@ class Attention(nn.Module):
         self.k_norm = nn.Identity() if no_norm else RMSNorm(head_dim, qk_norm_eps)
         # The attention core; sequence parallelism swaps in its all-to-all wrapper.
         self.attend: Callable[..., torch.Tensor] = causal_attention
+        # QK-clip (``optimizer.muon_qk_clip``) sets this to track each head's largest logit.
         self.logit_max: LogitMax | None = None
-        """Set by QK-clip (``optimizer.muon_qk_clip``) to track each head's largest logit."""
 
     def init_weights(self, std: float, out_std: float) -> None:
         """``out_std`` is for ``wo``, which writes into the residual stream."""
