@@ -87,11 +87,10 @@ def test_muon_layouts_train_like_one_process(
     assert_same_metrics(run.rows, reference(qk_clip).rows)
     if qk_clip:  # the clipping changed the run
         assert run.rows[-1]["loss"] != pytest.approx(reference(0.0).rows[-1]["loss"], rel=1e-4)
-    # Muon moved the weights differently from AdamW: the losses are its own.
-    assert run.rows[-1]["loss"] < run.rows[0]["loss"]
+    assert run.rows[-1]["loss"] < run.rows[0]["loss"]  # and it trains
 
 
-SHAPES = [(8, 6), (5, 4), (3, 7), (12, 4), (2, 3)]  # uneven rows; one has fewer rows than ranks
+SHAPES = [(8, 6), (5, 4), (3, 7), (12, 4), (1, 3)]  # uneven rows; one shard of (1, 3) is empty
 
 
 def _exchange_rank(assign: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int, object]:
