@@ -24,7 +24,8 @@ class LogitMax:
     """Each head's largest attention logit since the last `take` (QK-clip's statistic).
 
     ``paused`` (while the optimizer is offloaded, e.g. during rollouts) ignores forwards.
-    Computing it costs one more ``q k^T`` per layer, without gradient.
+    Computing it costs one more ``q k^T`` per layer, without gradient, and holds its fp32
+    ``[b, h, s, s]`` logits meanwhile (a reference path: no fused kernel returns the max).
     """
 
     def __init__(self) -> None:
