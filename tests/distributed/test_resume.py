@@ -101,7 +101,7 @@ def test_resume_is_bitwise_identical(tmp_path: Path, world: int, optimizer: str)
 def test_resume_at_another_world_size(tmp_path: Path, new_world: int, optimizer: str) -> None:
     """Saved by FSDP 2, resumed by one process or by FSDP 4: DCP reshards, the data position
     is global, so the losses continue as in the uninterrupted run. (Muon: its momentum
-    shards join into whole matrices; Newton-Schulz in float32, see test_muon.py.)"""
+    shards join into whole matrices; Newton-Schulz in float32, see test_muon_parallel.py.)"""
 
     def config(folder: Path, world: int) -> Config:
         config = resume_config(folder, world, optimizer)
