@@ -34,5 +34,9 @@ if [ "${BENCH:-1}" != 0 ]; then
   "$PY" -m bench.train_step --device cuda --dtype bfloat16 --batch 2 --seq-len 4096 --steps 5 \
     --cases llama3-8b-4l,qwen3-moe-30b-a3b-4l 2>&1 | tee "$LOGS/bench.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # Optimizer step, Muon against AdamW, on Llama 3 8B-shaped layers (4 of 32).
+  "$PY" -m bench.optimizer_step --device cuda --world 1 --model llama3:8b --layers 4 --steps 5 \
+    2>&1 | tee "$LOGS/optimizer.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

@@ -78,15 +78,44 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: Literal["adamw"] = "adamw"
-    """Optimizer."""
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW on every parameter. muon: Muon on the blocks' weight matrices (each
+    stacked expert's on its own), AdamW (lr, betas, weight_decay) on embeddings, LM head,
+    norms, biases and routers. See docs/optimizers.md."""
     lr: float = 3e-4
-    """Peak learning rate."""
+    """Peak learning rate (with muon: of the AdamW parameters)."""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not norms or biases)."""
+    muon_lr: float | None = None
+    """muon: peak lr of the Muon matrices; None = lr (right with muon_update_scale
+    match_rms_adamw, which makes AdamW's lr carry over)."""
+    muon_weight_decay: float | None = None
+    """muon: decoupled weight decay of the Muon matrices; None = weight_decay."""
+    muon_momentum: float = 0.95
+    """muon: momentum (an EMA of the gradient, as torch.optim.Muon keeps it)."""
+    muon_nesterov: bool = True
+    """muon: orthogonalize the Nesterov look-ahead of the momentum instead of the momentum."""
+    muon_ns_steps: int = 5
+    """muon: quintic Newton-Schulz iterations."""
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """muon: dtype of the Newton-Schulz iteration (bfloat16 as torch.optim.Muon; float32 is
+    slower and repeats across layouts to fp32 precision)."""
+    muon_update_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """muon: lr multiplier per matrix: match_rms_adamw (Moonlight) gives the update AdamW's
+    RMS, muon_update_rms (lr and weight decay tuned for AdamW carry over); original (Keller
+    Jordan) is sqrt(max(1, rows / cols)), for an lr tuned for Muon (~0.02)."""
+    muon_update_rms: float = 0.2
+    """muon, match_rms_adamw: the update RMS to match."""
+    muon_distribute: Literal["size", "round_robin"] = "size"
+    """muon under FSDP/HSDP: how matrices are assigned to the rank that orthogonalizes them:
+    by Newton-Schulz cost (balanced) or round-robin."""
+    muon_qk_clip: float = 0.0
+    """muon: QK-clip threshold (MuonClip; Kimi K2 used 100): after each step, a head whose
+    largest attention logit exceeded it has its query weights scaled by threshold / max.
+    0 = off. Grouped-query attention without q/k norms; not with sp > 1 or compile."""
     offload_during_rollout: bool = False
     """grpo: move the optimizer state to CPU while rollouts are sampled, freeing device
     memory for the KV cache; it comes back before the next step."""

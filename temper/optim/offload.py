@@ -14,7 +14,7 @@ an error that says why; both hooks sit on the optimizer, so every caller is cove
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,6 +22,14 @@ from torch.distributed.tensor import DTensor
 
 class OptimizerOffloadedError(RuntimeError):
     """The optimizer was used while its state lived on the CPU."""
+
+
+@runtime_checkable
+class OffloadAware(Protocol):
+    """An optimizer that keeps statistics of the forwards between its steps (QK-clip) and
+    must ignore those of an offloaded spell: rollouts are no training step's."""
+
+    def set_offloaded(self, offloaded: bool) -> None: ...
 
 
 class OptimizerOffload:
@@ -44,6 +52,8 @@ class OptimizerOffload:
                     local = value.to_local() if isinstance(value, DTensor) else value
                     state[key] = local.to("cpu", copy=True)
         self.offloaded = True
+        if isinstance(self.optimizer, OffloadAware):
+            self.optimizer.set_offloaded(True)
 
     def restore(self) -> None:
         if not self.offloaded:
@@ -53,6 +63,8 @@ class OptimizerOffload:
                 if (param, key) in self._homes:
                     state[key] = _rebuild(state[key], self._homes.pop((param, key)))
         self.offloaded = False
+        if isinstance(self.optimizer, OffloadAware):
+            self.optimizer.set_offloaded(False)
 
     def check(self, action: str) -> None:
         """Raise if offloaded: ``action`` needs the optimizer state in place."""

@@ -6,22 +6,75 @@ import torch
 from torch import nn
 
 from temper.config import Optimizer as OptimizerConfig
+from temper.models.layers.moe import MoE
+from temper.optim.muon import Muon
+from temper.optim.qk_clip import QKClip
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only: decaying norm gains and biases hurts. On CUDA
-    the fused kernel updates every parameter in one launch; elsewhere torch's default."""
+    """AdamW (``optimizer.name adamw``) or Muon with AdamW beside it (``muon``)."""
+    if config.name == "muon":
+        return build_muon(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
+        _adamw_groups(params, config),
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         eps=config.eps,
         fused=True if params and params[0].device.type == "cuda" else None,
+    )
+
+
+def _adamw_groups(params: list[nn.Parameter], config: OptimizerConfig) -> list[dict]:
+    """Weight decay on matrices only: decaying norm gains and biases hurts. On CUDA the fused
+    kernel updates every parameter in one launch; elsewhere torch's default."""
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable matrices Muon steps: the blocks' 2-D weights and stacked experts, less
+    MoE routers (a router's rows are per-expert scores, not one linear map to orthogonalize).
+    Embeddings, the LM head, norms and biases sit outside this set."""
+    routers = {
+        id(p) for m in model.layers.modules() if isinstance(m, MoE) for p in m.router.parameters()
+    }
+    return [
+        p
+        for p in model.layers.parameters()
+        if p.requires_grad and p.ndim in (2, 3) and id(p) not in routers
+    ]
+
+
+def build_muon(model: nn.Module, config: OptimizerConfig) -> Muon:
+    """Muon on `muon_parameters` (its own lr and weight decay), AdamW on the rest. The AdamW
+    groups come first, so ``param_groups[0]["lr"]`` (the logged lr) is ``optimizer.lr``'s."""
+    matrices = muon_parameters(model)
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+    adamw = [{**g, "algorithm": "adamw"} for g in _adamw_groups(rest, config)]
+    muon = {
+        "params": matrices,
+        "algorithm": "muon",
+        "lr": config.lr if config.muon_lr is None else config.muon_lr,
+        "weight_decay": (
+            config.weight_decay if config.muon_weight_decay is None else config.muon_weight_decay
+        ),
+    }
+    return Muon(
+        adamw + ([muon] if matrices else []),
+        lr=config.lr,
+        momentum=config.muon_momentum,
+        nesterov=config.muon_nesterov,
+        ns_steps=config.muon_ns_steps,
+        ns_dtype=config.muon_ns_dtype,
+        scale_rule=config.muon_update_scale,
+        update_rms=config.muon_update_rms,
+        distribute=config.muon_distribute,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        qk_clip=QKClip(model, config.muon_qk_clip) if config.muon_qk_clip > 0 else None,
     )

@@ -15,8 +15,9 @@ from temper.recipes.llama3 import llama3_debug
 STEPS, CRASH_AFTER, GLOBAL_BATCH = 8, 4, 4
 
 
-def resume_config(folder: Path, world: int) -> Config:
+def resume_config(folder: Path, world: int, optimizer: str = "adamw") -> Config:
     config = llama3_debug()
+    config.optimizer.name = optimizer
     config.job.dump_folder = str(folder)
     config.training.steps = STEPS
     config.training.seq_len = 32
@@ -71,12 +72,20 @@ def losses(result: dict) -> list[float]:
     return [row["loss"] for row in result["rows"]]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_is_bitwise_identical(tmp_path: Path, world: int) -> None:
-    straight = run(resume_config(tmp_path / "straight", world), world)
-    crashed = run(resume_config(tmp_path / "resumed", world), world, crash_after=CRASH_AFTER)
+@pytest.mark.parametrize(
+    ("world", "optimizer"),
+    [(1, "adamw"), (2, "adamw"), pytest.param(2, "muon", marks=pytest.mark.slow)],
+    ids=lambda v: str(v),
+)
+def test_resume_is_bitwise_identical(tmp_path: Path, world: int, optimizer: str) -> None:
+    """Muon's momentum buffers (sharded like their matrices) and its AdamW moments come back
+    exactly too."""
+    straight = run(resume_config(tmp_path / "straight", world, optimizer), world)
+    crashed = run(
+        resume_config(tmp_path / "resumed", world, optimizer), world, crash_after=CRASH_AFTER
+    )
     assert [row["step"] for row in crashed["rows"]] == list(range(1, CRASH_AFTER + 1))
-    resumed = run(resume_config(tmp_path / "resumed", world), world)
+    resumed = run(resume_config(tmp_path / "resumed", world, optimizer), world)
     assert resumed["resumed_from"] == CRASH_AFTER
     assert [row["step"] for row in resumed["rows"]] == list(range(1, STEPS + 1))
     assert losses(resumed) == losses(straight)  # bitwise, in deterministic mode
@@ -86,13 +95,22 @@ def test_resume_is_bitwise_identical(tmp_path: Path, world: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("new_world", [1, 4])
-def test_resume_at_another_world_size(tmp_path: Path, new_world: int) -> None:
+@pytest.mark.parametrize(
+    ("new_world", "optimizer"), [(1, "adamw"), (4, "adamw"), (1, "muon")], ids=lambda v: str(v)
+)
+def test_resume_at_another_world_size(tmp_path: Path, new_world: int, optimizer: str) -> None:
     """Saved by FSDP 2, resumed by one process or by FSDP 4: DCP reshards, the data position
-    is global, so the losses continue as in the uninterrupted run."""
-    straight = run(resume_config(tmp_path / "straight", 1), 1)
-    run(resume_config(tmp_path / "run", 2), 2, crash_after=CRASH_AFTER)
-    resumed = run(resume_config(tmp_path / "run", new_world), new_world)
+    is global, so the losses continue as in the uninterrupted run. (Muon: its momentum
+    shards join into whole matrices; Newton-Schulz in float32, see test_muon_parallel.py.)"""
+
+    def config(folder: Path, world: int) -> Config:
+        config = resume_config(folder, world, optimizer)
+        config.optimizer.muon_ns_dtype = "float32"
+        return config
+
+    straight = run(config(tmp_path / "straight", 1), 1)
+    run(config(tmp_path / "run", 2), 2, crash_after=CRASH_AFTER)
+    resumed = run(config(tmp_path / "run", new_world), new_world)
     assert resumed["resumed_from"] == CRASH_AFTER
     assert losses(resumed) == pytest.approx(losses(straight), rel=1e-5)
     assert resumed["next_row"] == straight["next_row"]  # no row seen twice or skipped

@@ -17,7 +17,40 @@ from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
 
-__all__ = ["Attention", "causal_attention"]
+__all__ = ["Attention", "LogitMax", "causal_attention"]
+
+
+class LogitMax:
+    """Each head's largest attention logit since the last `take` (QK-clip's statistic).
+
+    ``paused`` (while the optimizer is offloaded, e.g. during rollouts) ignores forwards.
+    Computing it costs one more ``q k^T`` per layer, without gradient, and holds its fp32
+    ``[b, h, s, s]`` logits meanwhile (a reference path: no fused kernel returns the max).
+    """
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+        self.paused = False
+
+    @torch.no_grad()
+    def observe(self, q: torch.Tensor, k: torch.Tensor, docs: DocumentMask | None) -> None:
+        """q [b, s, h, d] and k [b, s, h_kv, d] after rotary; only the pairs attention sees."""
+        if self.paused:
+            return
+        k = k.repeat_interleave(q.size(2) // k.size(2), dim=2)
+        logits = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * q.size(-1) ** -0.5
+        if docs is None:
+            s = q.size(1)
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        else:
+            mask = docs.dense()
+        heads = logits.masked_fill(~mask, -torch.inf).amax(dim=(0, 2, 3))
+        self.value = heads if self.value is None else torch.maximum(self.value, heads)
+
+    def take(self) -> torch.Tensor | None:
+        """The maxima so far (None if no forward was seen), and a fresh start."""
+        value, self.value = self.value, None
+        return value
 
 
 class Attention(nn.Module):
@@ -47,6 +80,8 @@ class Attention(nn.Module):
         self.k_norm = nn.Identity() if no_norm else RMSNorm(head_dim, qk_norm_eps)
         # The attention core; sequence parallelism swaps in its all-to-all wrapper.
         self.attend: Callable[..., torch.Tensor] = causal_attention
+        # QK-clip (``optimizer.muon_qk_clip``) sets this to track each head's largest logit.
+        self.logit_max: LogitMax | None = None
 
     def init_weights(self, std: float, out_std: float) -> None:
         """``out_std`` is for ``wo``, which writes into the residual stream."""
@@ -71,6 +106,8 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), cos, sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if cache is None:
+            if self.logit_max is not None:
+                self.logit_max.observe(q, k, docs)
             out = self.attend(q, k, v, docs, backend=backend)
         else:
             out = cache.attend(q, k, v)
