@@ -39,11 +39,12 @@ def recurrent_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [b, s, h, d_k], v [b, s, h, d_v], g (log decay, <= 0) and beta [b, s, h] ->
-    outputs [b, s, h, d_v] in v's dtype and the final state [b, h, d_k, d_v] in fp32."""
+    outputs [b, s, h, d_v] in v's dtype and the final state [b, h, d_k, d_v] in fp32 (fp64
+    for fp64 inputs)."""
     dtype = v.dtype
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (_at_least_fp32(t) for t in (q, k, v, g, beta))
     b, s, h, d_k = k.shape
-    state = q.new_zeros(b, h, d_k, v.shape[-1]) if initial_state is None else initial_state.float()
+    state = q.new_zeros(b, h, d_k, v.shape[-1]) if initial_state is None else initial_state.to(q)
     outs = []
     for t in range(s):
         state = state * g[:, t, :, None, None].exp()
@@ -75,8 +76,8 @@ def chunk_gated_delta_rule(
     s = q.shape[1]
     pad = -s % chunk
     # [b, h, n_chunks, chunk, ...] in fp32
-    q, k, v = (_chunks(F.pad(t.float(), (0, 0, 0, 0, 0, pad)), chunk) for t in (q, k, v))
-    g, beta = (_chunks(F.pad(t.float(), (0, 0, 0, pad)), chunk) for t in (g, beta))
+    q, k, v = (_chunks(F.pad(_at_least_fp32(t), (0, 0, 0, 0, 0, pad)), chunk) for t in (q, k, v))
+    g, beta = (_chunks(F.pad(_at_least_fp32(t), (0, 0, 0, pad)), chunk) for t in (g, beta))
     b, h, n, c, d_k = k.shape
     gamma = g.cumsum(dim=-1)
     future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
@@ -91,7 +92,7 @@ def chunk_gated_delta_rule(
     q_decayed = q * gamma.exp()[..., None]
     k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
     chunk_decay = gamma[..., -1].exp()[..., None, None]
-    state = q.new_zeros(b, h, d_k, v.shape[-1]) if initial_state is None else initial_state.float()
+    state = q.new_zeros(b, h, d_k, v.shape[-1]) if initial_state is None else initial_state.to(q)
     outs = []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
@@ -99,6 +100,11 @@ def chunk_gated_delta_rule(
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].mT @ v_new
     out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :s]
     return out.transpose(1, 2).to(dtype), state
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for half-precision inputs; fp64 stays (tests compare the two forms in it)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:

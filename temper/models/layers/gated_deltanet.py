@@ -159,7 +159,10 @@ def gated_delta_mix(
     rows = None if docs is None else DocumentRows(docs)
     if rows is not None:
         x, g, beta = rows.gather(x), rows.gather(g), rows.gather(beta)
-    x, window = causal_conv(x, conv, None if cache is None else cache.conv_window)
+    window = None if cache is None else cache.conv_window
+    if cache is not None:
+        cache.conv_window = next_window(x, window, conv.shape[1])
+    x = causal_conv(x, conv, window)
     q, k, v = x.split([n_k * d_k, n_k * d_k, n_v * d_v], dim=-1)
     q, k = (t.unflatten(-1, (n_k, d_k)).float() for t in (q, k))
     q = l2_normalize(q) * d_k**-0.5
@@ -171,22 +174,29 @@ def gated_delta_mix(
         return out if rows is None else rows.scatter(out)
     rule = recurrent_gated_delta_rule if q.shape[1] == 1 else gated_delta_rule
     out, cache.state = rule(q, k, v, g, beta, cache.state)
-    cache.conv_window = window
     return out
 
 
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """silu(depthwise causal convolution) of x [b, s, c] with weight [c, kernel]: output t sees
-    inputs t - kernel + 1 .. t, zeros before the start (or ``window`` [b, kernel - 1, c], the
-    last inputs of an earlier call). Returns the output and the window for the next call."""
-    b, s, c = x.shape
+    inputs t - kernel + 1 .. t, zeros before the start, or ``window`` [b, kernel - 1, c] (the
+    last inputs of an earlier call, see ``next_window``)."""
+    c, kernel = weight.shape
+    w = weight[:, None].to(x.dtype)
     if window is None:
-        window = x.new_zeros(b, weight.shape[1] - 1, c)
-    full = torch.cat([window.to(x.dtype), x], dim=1)
-    out = F.conv1d(full.transpose(1, 2), weight[:, None].to(x.dtype), groups=c)
-    return F.silu(out.transpose(1, 2)), full[:, full.shape[1] - window.shape[1] :]
+        out = F.conv1d(x.transpose(1, 2), w, padding=kernel - 1, groups=c)[..., : x.shape[1]]
+    else:
+        out = F.conv1d(torch.cat([window.to(x.dtype), x], dim=1).transpose(1, 2), w, groups=c)
+    return F.silu(out).transpose(1, 2).contiguous()
+
+
+def next_window(x: torch.Tensor, window: torch.Tensor | None, kernel: int) -> torch.Tensor:
+    """The convolution window after inputs x [b, s, c]: the last kernel - 1 inputs so far."""
+    if window is None:
+        window = x.new_zeros(x.shape[0], kernel - 1, x.shape[2])
+    return torch.cat([window.to(x.dtype), x], dim=1)[:, -(kernel - 1) :]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
