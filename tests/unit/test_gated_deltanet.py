@@ -1,0 +1,152 @@
+"""Gated DeltaNet pieces: the chunked rule against the token-by-token recurrence, packed
+documents kept apart by both the convolution and the recurrence, the hybrids' published sizes
+against transformers' parameter counts, and the SP head rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoModelForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+)
+
+from temper.config import ConfigError
+from temper.kernels.attention import DocumentMask
+from temper.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from temper.models import build_model, get_model_spec
+from temper.models.layers.gated_deltanet import l2_normalize
+from temper.parallel.ulysses import check_linear_attention_heads
+
+
+def _rule_inputs(b: int, s: int, h: int, d_k: int, d_v: int, max_rate: float, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2_normalize(torch.randn(b, s, h, d_k, generator=gen, dtype=torch.float64)) * d_k**-0.5
+    k = l2_normalize(torch.randn(b, s, h, d_k, generator=gen, dtype=torch.float64))
+    v = torch.randn(b, s, h, d_v, generator=gen, dtype=torch.float64)
+    g = -max_rate * torch.rand(b, s, h, generator=gen, dtype=torch.float64)
+    beta = torch.rand(b, s, h, generator=gen, dtype=torch.float64)
+    state = torch.randn(b, h, d_k, d_v, generator=gen, dtype=torch.float64)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 64])
+@pytest.mark.parametrize("max_rate", [0.1, 20.0])
+def test_chunked_rule_equals_the_recurrence(chunk: int, max_rate: float) -> None:
+    """fp64, 37 tokens (a partial last chunk), a starting state; log decays up to -20 per
+    token (HF's init range) as well as mild ones."""
+    q, k, v, g, beta, state = _rule_inputs(2, 37, 3, 8, 6, max_rate)
+    expected, expected_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=chunk)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(final, expected_state, rtol=1e-10, atol=1e-10)
+
+
+def test_chunked_rule_gradients_equal_the_recurrence() -> None:
+    inputs = [t.requires_grad_() for t in _rule_inputs(1, 21, 2, 4, 5, 1.0)]
+    weights = torch.randn(1, 21, 2, 5, dtype=torch.float64)
+    (recurrent_gated_delta_rule(*inputs)[0] * weights).sum().backward()
+    expected = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    (chunk_gated_delta_rule(*inputs, chunk=8)[0] * weights).sum().backward()
+    for t, e in zip(inputs, expected, strict=True):
+        torch.testing.assert_close(t.grad, e, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_packed_documents_equal_each_document_alone(family: str) -> None:
+    """Three documents packed in one row (and one alone in a second row): every document's
+    logits and loss equal those of the document run by itself, so neither the convolution
+    window nor the recurrent state (nor attention) crosses a document start."""
+    torch.manual_seed(0)
+    model = build_model(family, "debug", device="cpu", vocab_size=64)
+    with torch.no_grad():  # decay rates that keep the state carrying tokens along
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
+    lengths = [7, 12, 5]
+    docs = [torch.randint(0, 64, (n,)) for n in lengths]
+    row = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = model(row, positions, DocumentMask.from_position_ids(positions))
+    start = 0
+    for doc in docs:
+        alone = model(doc[None])
+        got = packed[:, start : start + doc.numel()]
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+        loss_alone = F.cross_entropy(alone[0, :-1], doc[1:])
+        loss_packed = F.cross_entropy(got[0, :-1], doc[1:])
+        assert loss_packed.item() == pytest.approx(loss_alone.item(), rel=1e-6)
+        start += doc.numel()
+
+
+_REAL = {
+    "qwen3_next/80b_a3b": (Qwen3NextConfig, {}),
+    "qwen3_5/9b": (Qwen3_5TextConfig, {}),
+    "qwen3_5_moe/35b_a3b": (Qwen3_5MoeTextConfig, {}),
+    "qwen3_5_moe/397b_a17b": (
+        Qwen3_5MoeTextConfig,
+        dict(
+            hidden_size=4096,
+            num_hidden_layers=60,
+            num_attention_heads=32,
+            linear_num_value_heads=64,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_REAL))
+def test_published_sizes_count_as_transformers(name: str) -> None:
+    """On the meta device: the flavor's parameter count equals transformers' model built from
+    the config the adapter writes for it, and that config reads back to the same args."""
+    family, flavor = name.split("/")
+    spec = get_model_spec(family)
+    native = build_model(family, flavor)
+    hf_config = spec.hf_adapter.args_to_hf(native.args)
+    cls, _ = _REAL[name]
+    fields = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cls(**fields))
+    assert sum(p.numel() for p in native.parameters()) == sum(p.numel() for p in hf.parameters())
+    assert spec.hf_adapter.args_from_hf(hf_config) == native.args
+
+
+def test_published_moe_sizes_match_their_transformers_configs() -> None:
+    """35b_a3b is transformers' Qwen3_5MoeTextConfig default, 80b_a3b its Qwen3NextConfig one
+    (the checkpoints their docs name); 397b_a17b the model card's shape."""
+    for name, (cls, overrides) in _REAL.items():
+        family, flavor = name.split("/")
+        args = build_model(family, flavor).args
+        config = cls(**overrides)
+        assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim) == (
+            config.hidden_size,
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        ), name
+        assert (args.linear_n_k_heads, args.linear_n_v_heads) == (
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+        ), name
+        assert args.vocab_size == config.vocab_size, name
+        assert list(args.layer_types) == config.layer_types, name
+
+
+def test_sp_degree_must_divide_linear_attention_heads() -> None:
+    check_linear_attention_heads(16, 32, 4)
+    with pytest.raises(
+        ConfigError, match=r"parallelism.sp \(3\).*key heads \(16\).*value heads \(32\)"
+    ):
+        check_linear_attention_heads(16, 32, 3)
+    with pytest.raises(ConfigError, match=r"key heads \(2\)"):
+        check_linear_attention_heads(2, 4, 4)
