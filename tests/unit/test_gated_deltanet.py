@@ -17,8 +17,9 @@ from transformers import (
 from temper.config import ConfigError
 from temper.kernels.attention import DocumentMask
 from temper.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from temper.models import build_model, get_model_spec
+from temper.models import build_model, get_model_spec, materialize
 from temper.models.layers.gated_deltanet import l2_normalize
+from temper.models.lora import apply_lora, init_lora, lora_modules, merge_lora
 from temper.parallel.ulysses import check_linear_attention_heads
 
 
@@ -150,3 +151,28 @@ def test_sp_degree_must_divide_linear_attention_heads() -> None:
         check_linear_attention_heads(16, 32, 3)
     with pytest.raises(ConfigError, match=r"key heads \(2\)"):
         check_linear_attention_heads(2, 4, 4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_lora_default_targets_adapt_the_linear_attention_projections(family: str) -> None:
+    """LoRA's default targets take Gated DeltaNet's projections (and the gated attention's and
+    the MLPs'); after a step on the adapters, merging gives the adapted forward."""
+    from temper.config import LoRA
+
+    torch.manual_seed(0)
+    model = build_model(family, "debug")
+    targets = LoRA().target_modules
+    names = apply_lora(model, targets, rank=4, alpha=8.0)
+    model = materialize(model, "cpu")
+    init_lora(model)
+    projections = {"wqkvz", "wba", "wo"} if family == "qwen3_next" else {"wqkv", "wz", "wb", "wa"}
+    assert {f"layers.0.attention.{p}" for p in projections} <= set(names)
+    ids = torch.randint(0, 2048, (2, 12))
+    model(ids).logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == ("lora_" in name), name
+    with torch.no_grad():
+        for module in lora_modules(model):
+            module.lora_b.normal_(0.0, 0.05)
+        adapted = model(ids)
+        torch.testing.assert_close(merge_lora(model)(ids), adapted, rtol=1e-5, atol=1e-5)
