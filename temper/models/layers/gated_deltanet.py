@@ -79,15 +79,21 @@ class GatedDeltaNet(nn.Module):
         return q, k, v, z, self.wb(x), self.wa(x)
 
     def init_weights(self, std: float, out_std: float) -> None:
-        """``out_std`` is for ``wo``, which writes into the residual stream; A = exp(A_log)
-        starts uniform in [1, 16], dt_bias at 1 (so the decay starts moderate)."""
+        """``out_std`` is for ``wo``, which writes into the residual stream.
+
+        Mamba 2's (and FLA's) decay init: A = exp(A_log) uniform in [1, 16] and the step
+        dt = softplus(dt_bias) log-uniform in [1e-3, 0.1], so a token's log decay -A * dt
+        starts between -0.001 and -1.6: the state carries context from the first step, and
+        A_log's gradient stands well above fp32 rounding (transformers' dt_bias = 1 gives
+        per-token decays down to e^-21, under which both vanish)."""
         for module in self.children():
             if isinstance(module, nn.Linear):
                 init_linear(module, out_std if module is self.wo else std)
         bound = 1 / math.sqrt(self.conv_weight.shape[-1])
         nn.init.uniform_(self.conv_weight, -bound, bound)
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-        nn.init.ones_(self.dt_bias)
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)).exp()
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
         self.norm.reset_parameters()
 
     def head_params(self, part: int, parts: int) -> tuple[torch.Tensor, ...]:
