@@ -19,9 +19,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG
 triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/gpu.txt"
 
 # Kernel parity (every Triton op vs its reference, forward and gradients), then the tests
-# whose fast paths only run on CUDA (grouped GEMM, flash varlen / flex attention).
+# whose fast paths only run on CUDA (grouped GEMM, flash varlen / flex attention, FLA's gated
+# delta rule when fla is installed).
 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_kernels_triton.py \
-  tests/unit/test_grouped_gemm.py tests/unit/test_attention.py 2>&1 | tee "$LOGS/tests.txt"
+  tests/unit/test_grouped_gemm.py tests/unit/test_attention.py tests/unit/test_gated_deltanet.py 2>&1 | tee "$LOGS/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ "${BENCH:-1}" != 0 ]; then
