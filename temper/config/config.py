@@ -437,7 +437,8 @@ def _check_sequence_parallel(config: Config) -> None:
     sp = config.parallelism.sp
     if sp == 1:
         return
-    from temper.parallel.ulysses import check_heads
+    from temper.models.layers.hybrid import HybridArgs
+    from temper.parallel.ulysses import check_heads, check_linear_attention_heads
 
     if config.training.seq_len < sp:
         raise ConfigError(
@@ -447,6 +448,8 @@ def _check_sequence_parallel(config: Config) -> None:
     args, source = _model_args(config.model)
     try:
         check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), sp)
+        if isinstance(args, HybridArgs):
+            check_linear_attention_heads(args.linear_n_k_heads, args.linear_n_v_heads, sp)
     except ConfigError as error:
         raise ConfigError(f"{error} ({source})") from None
 

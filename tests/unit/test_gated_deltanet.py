@@ -224,3 +224,14 @@ def test_fla_kernel_equals_the_reference_on_gpu(dtype: torch.dtype) -> None:
     torch.testing.assert_close(f_final, final, rtol=tol, atol=tol)
     for got, want in zip(f_grads, grads, strict=True):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_config_refuses_sp_that_splits_no_whole_linear_attention_heads() -> None:
+    from temper.recipes.qwen3_5 import qwen3_5_moe_debug
+
+    config = qwen3_5_moe_debug()  # 4 heads on 2 kv heads; Gated DeltaNet 2 key, 4 value heads
+    config.parallelism.sp = 2
+    config.validate(world_size=2)
+    config.parallelism.sp = 4  # attention replicates its 2 kv heads; Gated DeltaNet cannot
+    with pytest.raises(ConfigError, match=r"sp \(4\).*key heads \(2\) and value heads \(4\)"):
+        config.validate(world_size=4)
