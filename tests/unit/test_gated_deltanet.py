@@ -235,3 +235,29 @@ def test_config_refuses_sp_that_splits_no_whole_linear_attention_heads() -> None
     config.parallelism.sp = 4  # attention replicates its 2 kv heads; Gated DeltaNet cannot
     with pytest.raises(ConfigError, match=r"sp \(4\).*key heads \(2\) and value heads \(4\)"):
         config.validate(world_size=4)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_loss_and_gradients(mode: str) -> None:
+    """Recomputing Gated DeltaNet blocks (packed documents, MoE) in backward gives the same
+    loss and gradients as storing everything."""
+    from temper.objectives import CausalLM
+    from temper.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    def loss_and_grads(checkpointed: bool) -> tuple[float, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = build_model("qwen3_5_moe", "debug", device="cpu", vocab_size=64)
+        if checkpointed:
+            apply_activation_checkpointing(model.layers, mode)
+        ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+        positions = torch.cat([torch.arange(8), torch.arange(12)]).expand(2, 20)
+        batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": positions}
+        loss, _, _ = CausalLM().loss(model, batch)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    loss, grads = loss_and_grads(False)
+    ac_loss, ac_grads = loss_and_grads(True)
+    assert ac_loss == pytest.approx(loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(ac_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
