@@ -84,9 +84,9 @@ def chunk_gated_delta_rule(
     decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(future, float("-inf")).exp()
     k_beta = k * beta[..., None]
     system = (k_beta @ k.mT) * decay  # solve_triangular reads the strict lower part only
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(
-        system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True
+    rhs = torch.cat([v * beta[..., None], k_beta * gamma.exp()[..., None]], dim=-1)
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+        [v.shape[-1], d_k], dim=-1
     )
     scores = (q @ k.mT) * decay
     q_decayed = q * gamma.exp()[..., None]
