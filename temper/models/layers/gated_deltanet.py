@@ -100,9 +100,8 @@ class GatedDeltaNet(nn.Module):
         """Convolution weights [channels, kernel], A_log and dt_bias of heads' part ``part`` of
         ``parts`` (contiguous key heads and the value heads they serve)."""
         w_q, w_k, w_v = self.conv_weight[:, 0].split([self.key_dim, self.key_dim, self.value_dim])
-        pick = lambda t: t.chunk(parts)[part]  # noqa: E731
-        conv = torch.cat([pick(w_q), pick(w_k), pick(w_v)])
-        return conv, pick(self.A_log), pick(self.dt_bias)
+        conv = torch.cat([w.chunk(parts)[part] for w in (w_q, w_k, w_v)])
+        return conv, self.A_log.chunk(parts)[part], self.dt_bias.chunk(parts)[part]
 
     def forward(
         self,
