@@ -108,9 +108,10 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[b, s, h, ...] (s a multiple of chunk) -> [b, h, s / chunk, chunk, ...]."""
-    x = x.transpose(1, 2)
-    return x.reshape(*x.shape[:2], -1, chunk, *x.shape[3:])
+    """[b, s, h, ...] (s a multiple of chunk) -> [b, h, s / chunk, chunk, ...], contiguous so
+    the batched matmuls read it without a copy each."""
+    x = x.transpose(1, 2).contiguous()
+    return x.view(*x.shape[:2], -1, chunk, *x.shape[3:])
 
 
 def gated_delta_rule(

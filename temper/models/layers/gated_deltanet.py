@@ -216,10 +216,16 @@ class DocumentRows:
 
     def __init__(self, docs: DocumentMask) -> None:
         starts = docs.cu_seqlens.long()
-        offsets = torch.arange(docs.max_seqlen, device=starts.device)
-        self.keep = offsets < starts.diff()[:, None]
+        longest = docs.max_seqlen
+        offsets = torch.arange(longest, device=starts.device)
+        keep = offsets < starts.diff()[:, None]
         # Padding reads the zero row appended after the last token.
-        self.index = torch.where(self.keep, starts[:-1, None] + offsets, starts[-1])
+        self.index = torch.where(keep, starts[:-1, None] + offsets, starts[-1])
+        # Where each token lands in the flattened rows: index arithmetic rather than a
+        # boolean mask, so the shapes stay static under torch.compile.
+        tokens = torch.arange(docs.doc_ids.numel(), device=starts.device)
+        doc = torch.searchsorted(starts[:-1].contiguous(), tokens, right=True) - 1
+        self.position = doc * longest + tokens - starts[doc]
         self.shape = tuple(docs.doc_ids.shape)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +235,7 @@ class DocumentRows:
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:
         """[n_docs, longest, ...] -> [b, s, ...]: documents are in token order."""
-        return y[self.keep].view(*self.shape, *y.shape[2:])
+        return y.flatten(0, 1)[self.position].view(*self.shape, *y.shape[2:])
 
 
 def linear_attention_flops_per_token(layer: GatedDeltaNet) -> float:
