@@ -261,3 +261,21 @@ def test_activation_checkpointing_keeps_loss_and_gradients(mode: str) -> None:
     assert ac_loss == pytest.approx(loss, rel=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(ac_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_autocast_trains_with_fp32_gradients_close_to_fp32() -> None:
+    """Under bf16 autocast (how GPU runs train) the hybrid's loss stays within bf16's reach
+    of fp32's and every gradient is fp32 and finite: the delta rule runs in fp32 inside."""
+    torch.manual_seed(0)
+    model = build_model("qwen3_5_moe", "debug", device="cpu", vocab_size=64)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    full = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    assert loss.item() == pytest.approx(full.item(), rel=2e-2)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), name
+    assert model.layers[0].attention.A_log.grad.abs().sum() > 0
