@@ -58,6 +58,20 @@ class HFAdapter:
     buffer_rules: Callable[[Any], list[KeyRule]] = lambda args: []
     """Persistent buffers that HF checkpoints hold too (DeepSeek V3's expert bias): read and
     written like parameters, but they have no gradient."""
+    multimodal_types: tuple[str, ...] = ()
+    """`model_type` values of vision-language folders whose language model this family reads
+    (Qwen3.5's released checkpoints): its config under `text_config`, its weights under
+    `model.language_model.` instead of `model.`; the other weights are not read."""
+
+
+MULTIMODAL_PREFIX = "model.language_model."
+
+
+def text_config(hf_config: dict[str, Any], adapter: HFAdapter) -> dict[str, Any]:
+    """The language model's config: `text_config` of a vision-language folder, else all."""
+    if hf_config.get("model_type") in adapter.multimodal_types:
+        return hf_config["text_config"]
+    return hf_config
 
 
 def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
@@ -65,9 +79,11 @@ def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
     model_type = hf_config.get("model_type")
     specs = [s for s in all_model_specs() if s.hf_adapter is not None]
     for spec in specs:
-        if model_type in spec.hf_adapter.model_types:
+        if model_type in spec.hf_adapter.model_types + spec.hf_adapter.multimodal_types:
             return spec
-    supported = sorted(t for s in specs for t in s.hf_adapter.model_types)
+    supported = sorted(
+        t for s in specs for t in s.hf_adapter.model_types + s.hf_adapter.multimodal_types
+    )
     raise ValueError(
         f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(supported)}"
     )
@@ -79,7 +95,7 @@ def read_hf_args(folder: str | os.PathLike[str]) -> tuple[ModelSpec, Any]:
     hf_config = read_json(path, "HF model config")
     spec = find_hf_family(hf_config, path)
     try:
-        return spec, spec.hf_adapter.args_from_hf(hf_config)
+        return spec, spec.hf_adapter.args_from_hf(text_config(hf_config, spec.hf_adapter))
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: cannot read a {spec.name} config: {err}") from err
 
@@ -124,6 +140,9 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """
     tensors = SafetensorsFolder(folder)
     rules = _rules_of(model)
+    hf_config = read_json(Path(folder) / "config.json", "HF model config")
+    if hf_config.get("model_type") in adapter_of(model).multimodal_types:
+        rules = [dataclasses.replace(r, hf=tuple(map(_nested, r.hf))) for r in rules]
     params = _named_tensors(model)
     missing, wrong = [], []
     for rule in rules:
@@ -177,6 +196,11 @@ def save_hf(
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
     }
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _nested(key: str) -> str:
+    """An HF language-model key as a vision-language checkpoint names it."""
+    return MULTIMODAL_PREFIX + key.removeprefix("model.") if key.startswith("model.") else key
 
 
 def adapter_of(model: nn.Module) -> HFAdapter:
