@@ -14,6 +14,8 @@ same global micro-batches (``training.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,3 +137,42 @@ def _padded_batch_rank(family: str) -> tuple[dict[str, Any], dict[str, Any]] | N
     want["logits"] = want_logits
     dist.barrier()  # the ranks' pending collectives finish before any rank exits
     return (got, want) if dist.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_hf_folder_trains_at_sp2_ep2_like_one_process(tmp_path: Path) -> None:
+    """`--model.hf_path` on a folder transformers wrote (`Qwen3_5MoeForCausalLM`, random, the
+    built-in tokenizer's vocabulary): SP 2 x EP 2 trains the single process's losses and
+    gradient norms over 5 steps, both starting from the folder's weights."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
+
+    hf_config = Qwen3_5MoeTextConfig(
+        vocab_size=2048,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "hf")
+    tokenizer = str(resources.files("temper.assets") / "tokenizer.json")
+
+    def config(layout: Layout) -> Config:
+        c = parity_config(qwen3_5_moe_debug, tmp_path, layout)
+        c.training.seq_len = SEQ_LEN
+        c.model.hf_path = str(tmp_path / "hf")
+        c.data.tokenizer_path = tokenizer
+        return c
+
+    reference = train_layout(config(SINGLE), SINGLE)
+    run = train_layout(config(SP2_EP2), SP2_EP2)
+    assert_same_metrics(run.rows, reference.rows)
