@@ -117,6 +117,31 @@ CASES = {
                 **_QWEN3_SMALL,
             ),
         ),
+        # Qwen3.5-MoE-shaped, 53M parameters: 6 Gated DeltaNet layers (4 key heads on 8
+        # value heads) and 2 gated-attention ones, 8 experts top 2 plus a gated shared expert.
+        Case(
+            "qwen3.5-moe-50m",
+            "cpu",
+            dict(
+                model_type="qwen3_5_moe_text",
+                vocab_size=32000,
+                hidden_size=512,
+                num_hidden_layers=8,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                head_dim=64,
+                linear_num_key_heads=4,
+                linear_num_value_heads=8,
+                linear_key_head_dim=64,
+                linear_value_head_dim=64,
+                moe_intermediate_size=256,
+                shared_expert_intermediate_size=256,
+                num_experts=8,
+                num_experts_per_tok=2,
+                output_router_logits=True,
+                tie_word_embeddings=True,
+            ),
+        ),
         # Llama 3 8B's layers, embedding and head; 4 of its 32 layers fit one GPU with AdamW.
         Case("llama3-8b-4l", "cuda", dict(num_hidden_layers=4, **_LLAMA3_8B)),
         Case(

@@ -19,11 +19,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG
 triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/gpu.txt"
 
 # Kernel parity (every Triton op vs its reference, forward and gradients), then the tests
-# whose fast paths only run on CUDA (grouped GEMM, flash varlen / flex attention, and
-# selective checkpointing keeping each backend's output).
+# whose fast paths only run on CUDA (grouped GEMM, flash varlen / flex attention, selective
+# checkpointing keeping each backend's output, FLA's gated delta rule when fla is installed).
 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_kernels_triton.py \
   tests/unit/test_grouped_gemm.py tests/unit/test_attention.py tests/unit/test_gpt_oss.py \
-  tests/distributed/test_activation_checkpoint.py 2>&1 | tee "$LOGS/tests.txt"
+  tests/unit/test_gated_deltanet.py tests/distributed/test_activation_checkpoint.py 2>&1 \
+  | tee "$LOGS/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ "${BENCH:-1}" != 0 ]; then

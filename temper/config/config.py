@@ -310,7 +310,7 @@ class Checkpoint:
 
 
 Impl = Literal["auto", "reference", "compile", "triton"]
-Op = Literal["cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute"]
+Op = Literal["cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute", "gated_delta"]
 
 
 @dataclass
@@ -335,6 +335,9 @@ class Kernels:
     """Rotary embedding of q and k."""
     moe_permute: Impl = "auto"
     """Gathering tokens by expert and the weighted sum back (MoE)."""
+    gated_delta: Impl = "auto"
+    """Gated DeltaNet's chunked delta rule; triton runs flash-linear-attention's kernel when
+    the ``fla`` package is installed (CUDA)."""
 
     def __post_init__(self) -> None:
         if self.cross_entropy_chunk < 0:

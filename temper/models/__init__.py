@@ -4,7 +4,10 @@ from temper.models import deepseek_v3 as deepseek_v3
 from temper.models import gpt_oss as gpt_oss
 from temper.models import llama3 as llama3
 from temper.models import qwen3 as qwen3
+from temper.models import qwen3_5 as qwen3_5
+from temper.models import qwen3_5_moe as qwen3_5_moe
 from temper.models import qwen3_moe as qwen3_moe
+from temper.models import qwen3_next as qwen3_next
 from temper.models.hf import (
     HFAdapter,
     KeyRule,

@@ -23,6 +23,18 @@ def check_heads(n_heads: int, n_kv_heads: int, sp: int) -> None:
         )
 
 
+def check_linear_attention_heads(n_k_heads: int, n_v_heads: int, sp: int) -> None:
+    """Each SP rank runs whole Gated DeltaNet heads: a slice of the key heads and the value
+    heads they serve, so SP must divide both counts (no replication: a key head's state is
+    per value head)."""
+    if n_k_heads % sp or n_v_heads % sp:
+        raise ConfigError(
+            f"parallelism.sp ({sp}) must divide the model's Gated DeltaNet key heads "
+            f"({n_k_heads}) and value heads ({n_v_heads}): Ulysses gives each SP rank whole "
+            "heads for the convolution and the recurrence"
+        )
+
+
 def check_mtp(mtp_depth: int) -> None:
     """Multi-token prediction reads each position's next tokens, which at a slice's end sit
     on the next SP rank: refused rather than trained on wrong inputs."""
@@ -45,6 +57,14 @@ def check_decoder_layout(args: Any, parallelism: Parallelism) -> None:
     if sp > 1:
         check_heads(args.n_heads, args.n_kv_heads, sp)
         check_mtp(getattr(args, "mtp_depth", 0))
+
+
+def check_hybrid_layout(args: Any, parallelism: Parallelism) -> None:
+    """Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): the decoder rule, and whole linear-
+    attention key and value heads on each SP rank."""
+    check_decoder_layout(args, parallelism)
+    if parallelism.sp > 1:
+        check_linear_attention_heads(args.linear_n_k_heads, args.linear_n_v_heads, parallelism.sp)
 
 
 @register_rule

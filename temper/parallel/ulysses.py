@@ -1,5 +1,5 @@
-"""Ulysses sequence parallelism: each SP rank holds a slice of the sequence, attention a slice
-of the heads.
+"""Ulysses sequence parallelism: each SP rank holds a slice of the sequence, attention (and
+Gated DeltaNet's convolution and recurrence) a slice of the heads.
 
 The batch is right-padded to a multiple of SP and sliced along the sequence before the model
 call (``SequenceParallel.shard``, the model entry); the slice travels with a
@@ -25,7 +25,8 @@ from torch import nn
 from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, SEQUENCE_SHARD, Batch, SequenceShard
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.attention import attention as causal_attention
-from temper.models.fit import check_heads, check_mtp
+from temper.models.fit import check_heads, check_linear_attention_heads, check_mtp
+from temper.models.layers.gated_deltanet import GatedDeltaNet, gated_delta_mix
 from temper.utils.compat import all_to_all_single_autograd
 
 PAD_POSITION = -1
@@ -97,18 +98,56 @@ class UlyssesAttention:
         return self._sequence_to_ranks(out)
 
     def _heads_to_ranks(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, s/sp, h, d] -> [b, s, h/sp, d]: send head slice r to rank r, gather sequence."""
-        b, s, h, d = x.shape
-        x = x.reshape(b, s, self.size, h // self.size, d).permute(2, 0, 1, 3, 4).contiguous()
-        x = all_to_all_single_autograd(x, None, None, self.group)
-        return x.permute(1, 0, 2, 3, 4).reshape(b, self.size * s, h // self.size, d)
+        return heads_to_ranks(x, self.group, self.size)
 
     def _sequence_to_ranks(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, s, h/sp, d] -> [b, s/sp, h, d]: the reverse of ``_heads_to_ranks``."""
-        b, s, h, d = x.shape
-        x = x.reshape(b, self.size, s // self.size, h, d).transpose(0, 1).contiguous()
-        x = all_to_all_single_autograd(x, None, None, self.group)
-        return x.permute(1, 2, 0, 3, 4).reshape(b, s // self.size, self.size * h, d)
+        return sequence_to_ranks(x, self.group, self.size)
+
+
+def heads_to_ranks(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """[b, s/sp, h, d] -> [b, s, h/sp, d]: send head slice r to rank r, gather sequence."""
+    b, s, h, d = x.shape
+    x = x.reshape(b, s, size, h // size, d).permute(2, 0, 1, 3, 4).contiguous()
+    x = all_to_all_single_autograd(x, None, None, group)
+    return x.permute(1, 0, 2, 3, 4).reshape(b, size * s, h // size, d)
+
+
+def sequence_to_ranks(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """[b, s, h/sp, d] -> [b, s/sp, h, d]: the reverse of ``heads_to_ranks``."""
+    b, s, h, d = x.shape
+    x = x.reshape(b, size, s // size, h, d).transpose(0, 1).contiguous()
+    x = all_to_all_single_autograd(x, None, None, group)
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s // size, size * h, d)
+
+
+class UlyssesGatedDeltaNet:
+    """Gated DeltaNet's cross-token core (``gated_delta_mix``) between all-to-alls over the SP
+    ``group``: each rank convolves and recurs over the whole sequence for its part of the
+    heads (with their convolution channels, A_log and dt_bias), so neither step needs a halo
+    exchange; the projections and the gated norm around it stay token-local."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def __call__(
+        self,
+        layer: GatedDeltaNet,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        docs: DocumentMask | None = None,
+        cache: None = None,
+    ) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("sequence parallelism is for training; decode without it")
+        q, k, v = (heads_to_ranks(t, self.group, self.size) for t in (q, k, v))
+        b, a = (heads_to_ranks(t[..., None], self.group, self.size)[..., 0] for t in (b, a))
+        out = gated_delta_mix(layer, q, k, v, b, a, docs, part=self.rank, parts=self.size)
+        return sequence_to_ranks(out, self.group, self.size)
 
 
 class SequenceParallel:
@@ -131,5 +170,11 @@ class SequenceParallel:
         check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), self.size)
         check_mtp(getattr(args, "mtp_depth", 0))
         attend = UlyssesAttention(self.group)
+        mix = UlyssesGatedDeltaNet(self.group)
         for block in model.layers:
-            block.attention.attend = attend
+            mixer = block.attention
+            if isinstance(mixer, GatedDeltaNet):
+                check_linear_attention_heads(mixer.n_k_heads, mixer.n_v_heads, self.size)
+                mixer.mix = mix
+            else:
+                mixer.attend = attend

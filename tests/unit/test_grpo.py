@@ -168,9 +168,12 @@ def _prompts() -> dict[str, torch.Tensor]:
     return {key: torch.stack([row[key] for row in batch]) for key in batch[0]}
 
 
-def test_rollout_records_the_trainers_log_probs_and_the_loss_is_the_formula() -> None:
+@pytest.mark.parametrize("family", ["llama3", "qwen3_5_moe"])
+def test_rollout_records_the_trainers_log_probs_and_the_loss_is_the_formula(family: str) -> None:
+    """Also for a Gated DeltaNet hybrid: its sampler decodes from the conv window and state
+    (left-padded prompts), and the training forward recomputes the same log-probabilities."""
     torch.manual_seed(0)
-    model = materialize(build_model("llama3", "debug"), torch.device("cpu"))
+    model = materialize(build_model(family, "debug"), torch.device("cpu"))
     objective = _objective()
     batch, metrics = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
     # The sampler's log-probabilities are the trainer forward's (fp32).

@@ -8,6 +8,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 import temper.models as models
 from temper.models.layers.moe import MoE
+from temper.models.layers.moe_decoder import MoEDecoder
 from temper.models.qwen3 import Qwen3Transformer
 from temper.models.qwen3_moe import FLAVORS, Qwen3MoeArgs, Qwen3MoeTransformer
 from temper.models.qwen3_moe.hf import args_from_hf, args_to_hf
@@ -123,7 +124,9 @@ def test_bf16_autocast_forward_and_backward_on_cpu() -> None:
 
 def test_moe_family_is_registered_with_its_own_adapter() -> None:
     spec = models.get_model_spec("qwen3_moe")
-    assert spec.model_cls is Qwen3MoeTransformer and issubclass(spec.model_cls, Qwen3Transformer)
+    # Families share the skeletons in layers/, never each other's classes.
+    assert spec.model_cls is Qwen3MoeTransformer and issubclass(spec.model_cls, MoEDecoder)
+    assert not issubclass(spec.model_cls, Qwen3Transformer)
     assert spec.hf_adapter.model_types == ("qwen3_moe",)
     assert models.get_model_spec("qwen3").hf_adapter.model_types == ("qwen3",)
 

@@ -1,4 +1,4 @@
-"""DeepSeek V3: the Qwen3-MoE decoder with multi-head latent attention and DeepSeek's router."""
+"""DeepSeek V3: the shared MoE decoder with multi-head latent attention and DeepSeek's router."""
 
 import torch
 from torch import nn
@@ -18,13 +18,13 @@ from temper.models.layers.moe import (
     MoE,
     update_expert_bias,
 )
+from temper.models.layers.moe_decoder import MoEDecoder
 from temper.models.layers.mtp import MTPLoss, MultiTokenPredictor, mtp_loss
 from temper.models.layers.rope import rope_cos_sin
-from temper.models.qwen3_moe.model import Qwen3MoeTransformer
 
 
-class DeepseekV3Transformer(Qwen3MoeTransformer):
-    """DeepSeek V3 causal LM. Inherited from the shared Decoder and Qwen3-MoE: ``forward``,
+class DeepseekV3Transformer(MoEDecoder):
+    """DeepSeek V3 causal LM. Inherited from the shared (MoE) decoder: ``forward``,
     ``hidden_states`` (packed documents, attention backends), ``init_weights``, ``aux_loss``,
     ``load_imbalance`` and the active-parameter count (shared experts in full, routed ones
     as top_k / n_experts). It states its attention (MLA), its MoE and the optional
@@ -141,7 +141,7 @@ class DeepseekV3Transformer(Qwen3MoeTransformer):
             group_limited=GroupLimitedRouting(
                 args.n_groups, args.topk_group, args.routed_scaling_factor
             ),
-            n_shared_experts=args.n_shared_experts,
+            shared_hidden_dim=args.n_shared_experts * args.moe_hidden_dim,
         )
 
     def after_optimizer_step(self) -> None:

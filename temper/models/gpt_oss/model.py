@@ -6,14 +6,14 @@ from torch import nn
 from temper.models.gpt_oss.args import GptOssArgs
 from temper.models.layers.clamped_moe import BiasedTopKRouter, ClampedSwiGLU, ClampedSwiGLUExperts
 from temper.models.layers.moe import MoE
+from temper.models.layers.moe_decoder import MoEDecoder
 from temper.models.layers.sink_attention import SinkAttention
-from temper.models.qwen3_moe.model import Qwen3MoeTransformer
 
 
-class GptOssTransformer(Qwen3MoeTransformer):
+class GptOssTransformer(MoEDecoder):
     """gpt-oss causal LM. Inherited: ``forward``, ``hidden_states``, ``init_weights`` (the
-    shared Decoder), ``aux_loss``, ``load_imbalance`` and the active-parameter count
-    (Qwen3-MoE). The FLOP count takes each sliding layer's scores over its window only."""
+    shared Decoder), ``aux_loss``, ``load_imbalance`` and the active-parameter count (the MoE
+    skeleton). The FLOP count takes each sliding layer's scores over its window only."""
 
     args: GptOssArgs
     qk_norm = False

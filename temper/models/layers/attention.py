@@ -17,7 +17,7 @@ from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
 
-__all__ = ["Attention", "LogitMax", "causal_attention"]
+__all__ = ["Attention", "GatedAttention", "LogitMax", "causal_attention"]
 
 
 class LogitMax:
@@ -112,3 +112,61 @@ class Attention(nn.Module):
         else:
             out = cache.attend(q, k, v)
         return self.wo(out.reshape(b, s, -1))
+
+
+class GatedAttention(nn.Module):
+    """Rotary GQA whose output is gated per channel: ``wo(attn(q, k, v) * sigmoid(gate))``
+    (Qwen3-Next, Qwen3.5).
+
+    ``wq`` yields, per head, the query then its gate (HF's ``q_proj`` layout). q and k pass a
+    per-head ``norm_cls`` (the zero-centred RMSNorm in those checkpoints) before rotary, which
+    rotates the first ``cos.shape[-1]`` dims of each head only (partial rotary).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        norm_cls: Callable[[int, float], nn.Module],
+        norm_eps: float,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, 2 * n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.q_norm = norm_cls(head_dim, norm_eps)
+        self.k_norm = norm_cls(head_dim, norm_eps)
+        # The attention core; sequence parallelism swaps in its all-to-all wrapper.
+        self.attend: Callable[..., torch.Tensor] = causal_attention
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """``out_std`` is for ``wo``, which writes into the residual stream."""
+        for linear, s in ((self.wq, std), (self.wk, std), (self.wv, std), (self.wo, out_std)):
+            init_linear(linear, s)
+        self.q_norm.reset_parameters()
+        self.k_norm.reset_parameters()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: DocumentMask | None = None,
+        backend: Backend = "auto",
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, gate = self.wq(x).view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), cos, sin)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if cache is None:
+            out = self.attend(q, k, v, docs, backend=backend)
+        else:
+            out = cache.attend(q, k, v)
+        return self.wo(out.reshape(b, s, -1) * gate.reshape(b, s, -1).sigmoid())

@@ -10,6 +10,7 @@ told so by a ``SequenceShard`` argument.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -47,12 +48,18 @@ class DecoderArgs(Protocol):
 class Block(nn.Module):
     """Pre-norm block: attention then the MLP, each added to the residual stream."""
 
-    def __init__(self, args: DecoderArgs, attention: nn.Module, feed_forward: nn.Module) -> None:
+    def __init__(
+        self,
+        args: DecoderArgs,
+        attention: nn.Module,
+        feed_forward: nn.Module,
+        norm_cls: Callable[[int, float], nn.Module] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.attention = attention
         self.feed_forward = feed_forward
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = norm_cls(args.dim, args.norm_eps)
+        self.ffn_norm = norm_cls(args.dim, args.norm_eps)
 
     def forward(
         self,
@@ -80,21 +87,32 @@ class Decoder(nn.Module):
     """The window of the layers that attend within one (gpt-oss), so flex masks are shared."""
     attention_sinks: bool = False
     """Layers add a learned sink logit per head (gpt-oss): on CUDA, ``auto`` picks flex."""
+    norm_cls: Callable[[int, float], nn.Module] = RMSNorm
+    """The block and final norms: ``norm_cls(dim, eps)``."""
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(
-            Block(args, self.attention(i), self.feed_forward(i)) for i in range(args.n_layers)
+            Block(args, self.attention(i), self.feed_forward(i), self.norm_cls)
+            for i in range(args.n_layers)
         )
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = self.norm_cls(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Derived from args, never checkpointed: init_weights recomputes it after to_empty.
-        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", self.rope_inv_freq(), persistent=False)
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """Rotary inverse frequencies over the whole head unless a family rotates fewer dims."""
+        args = self.args
+        return rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+
+    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for ``position_ids``, shared by every layer of one forward."""
+        return rope_cos_sin(self.inv_freq, position_ids)
 
     def attention(self, layer_id: int) -> nn.Module:
         """The attention of layer ``layer_id``: rotary GQA unless a family overrides it."""
@@ -119,7 +137,7 @@ class Decoder(nn.Module):
         if args.tie_embeddings:
             # to_empty gives each module its own new Parameter, which breaks the tie.
             self.output.weight = self.tok_embeddings.weight
-        self.inv_freq.copy_(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
+        self.inv_freq.copy_(self.rope_inv_freq())
         nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD)
         out_std = depth_scaled_std(INIT_STD, args.n_layers)
         for layer in self.layers:
@@ -164,7 +182,7 @@ class Decoder(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None]
-        cos, sin = rope_cos_sin(self.inv_freq, position_ids)
+        cos, sin = self.rope(position_ids)
         h = self.tok_embeddings(input_ids)
         seq_len, valid_len = input_ids.shape[1], None
         if shard is not None:

@@ -50,12 +50,22 @@ class KVCache:
 
 class LayerCache:
     """One layer's keys and values, allocated on first use with the shape and dtype the layer
-    produces (so GQA and MLA layers share the class)."""
+    produces (so GQA and MLA layers share the class). A linear-attention layer (Gated
+    DeltaNet) keeps its convolution window and recurrent state here instead."""
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.conv_window: torch.Tensor | None = None
+        """[b, kernel - 1, channels]: the convolution inputs of the latest columns."""
+        self.state: torch.Tensor | None = None
+        """[b, n_v_heads, d_k, d_v]: the delta rule's state after the latest column."""
+
+    def valid_columns(self, n: int) -> torch.Tensor:
+        """[b, n] True where the running forward's n tokens are real (not left padding)."""
+        end = self.cache.length
+        return self.cache.valid[:, end - n : end]
 
     def attend(
         self,

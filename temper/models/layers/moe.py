@@ -217,10 +217,12 @@ def run_local(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> t
 class MoE(nn.Module):
     """Router plus grouped experts; keeps the latest forward's ``routing`` statistics.
 
-    ``group_limited`` selects DeepSeek V3's router instead of the softmax top-k; with
-    ``n_shared_experts``, one SwiGLU of ``n_shared_experts * hidden_dim`` sees every token and
-    adds to the routed output. ``router`` and ``experts`` replace the built-in ones (gpt-oss's,
-    ``temper.models.layers.clamped_moe``), with the same call contracts.
+    ``group_limited`` selects DeepSeek V3's router instead of the softmax top-k. With
+    ``shared_hidden_dim``, a shared SwiGLU of that width sees every token and adds to the
+    routed output (DeepSeek V3's shared experts); ``shared_gate`` scales it per token by
+    ``sigmoid(shared_gate(x))`` first (Qwen3-Next, Qwen3.5-MoE). ``router`` and ``experts``
+    replace the built-in ones (gpt-oss's, ``temper.models.layers.clamped_moe``), with the same
+    call contracts.
     """
 
     def __init__(
@@ -232,7 +234,8 @@ class MoE(nn.Module):
         norm_topk_prob: bool,
         *,
         group_limited: GroupLimitedRouting | None = None,
-        n_shared_experts: int = 0,
+        shared_hidden_dim: int = 0,
+        shared_gate: bool = False,
         router: nn.Module | None = None,
         experts: nn.Module | None = None,
     ) -> None:
@@ -245,9 +248,8 @@ class MoE(nn.Module):
         else:
             self.router = GroupLimitedRouter(dim, n_experts, top_k, norm_topk_prob, group_limited)
         self.experts = GroupedExperts(dim, hidden_dim, n_experts) if experts is None else experts
-        self.shared_experts = (
-            FeedForward(dim, n_shared_experts * hidden_dim) if n_shared_experts else None
-        )
+        self.shared_experts = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.routing: RoutingStats | None = None
         self.dispatcher: ExpertDispatcher = run_local
 
@@ -256,6 +258,8 @@ class MoE(nn.Module):
         self.experts.init_weights(std, out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(std, out_std)
+        if self.shared_gate is not None:
+            init_linear(self.shared_gate, std)
 
     def forward(self, x: torch.Tensor, valid_len: int | None = None) -> torch.Tensor:
         """x [b, s, dim]; ``valid_len``: each row's first tokens that are real, the rest
@@ -270,7 +274,10 @@ class MoE(nn.Module):
             self.routing = _real_token_routing(x.shape[:2], valid_len, probs, experts)
         out = unpermute(out, order, weights).view_as(x)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                shared = self.shared_gate(x).sigmoid() * shared
+            out = out + shared
         return out
 
 

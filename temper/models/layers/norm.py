@@ -1,6 +1,7 @@
-"""Root-mean-square layer norm."""
+"""Root-mean-square layer norms: Llama's, the zero-centred (1 + w) one, and the gated one."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from temper.kernels.norm import rms_norm
@@ -23,3 +24,39 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by ``1 + weight`` (weight starts at 0), as Qwen3-Next and Qwen3.5 store
+    it; the product is taken in fp32 before the cast back, their order (not Llama's)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``RMSNorm(x) * silu(gate)`` over the last dim: Gated DeltaNet's output norm, whose gate
+    ``z`` is a projection of the block input."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)

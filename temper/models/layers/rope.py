@@ -121,10 +121,36 @@ def rope_cos_sin(
     return angles.cos(), angles.sin()
 
 
+def mrope_cos_sin(
+    inv_freq: torch.Tensor, position_ids: torch.Tensor, sections: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal rotary (Qwen3-VL, Qwen3.5): cos and sin [batch, seq, 2 * n_freq] for positions
+    [3, batch, seq] along (time, height, width), or [batch, seq] text positions (all three
+    axes equal, which gives plain rotary).
+
+    The frequencies are interleaved over the axes: frequency i follows the height axis when
+    i % 3 == 1 and i < 3 * sections[1], the width axis when i % 3 == 2 and
+    i < 3 * sections[2], and time otherwise.
+    """
+    if position_ids.dim() == 2:
+        position_ids = position_ids.expand(3, -1, -1)
+    freqs = position_ids[..., None].float() * inv_freq.float()  # [3, b, s, n_freq]
+    i = torch.arange(inv_freq.numel(), device=freqs.device)
+    axis = torch.zeros_like(i)
+    for a in (1, 2):
+        axis = torch.where((i % 3 == a) & (i < 3 * sections[a]), a, axis)
+    freqs = freqs.gather(0, axis.expand(1, *freqs.shape[1:])).squeeze(0)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
 ) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim]; cos/sin are cast to x's dtype first, as HF does.
+
+    cos/sin narrower than head_dim (partial rotary): only the first ``cos.shape[-1]`` dims of
+    each head rotate, the rest pass through.
 
     ``interleaved``: x holds each rotated pair in adjacent dims (2i, 2i + 1), DeepSeek's layout.
     The result is then in the rotate-half layout (even dims, then odd ones), as transformers
@@ -132,4 +158,7 @@ def apply_rope(
     """
     if interleaved:
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((rotate(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     return rotate(x, cos, sin)

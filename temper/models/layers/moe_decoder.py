@@ -1,0 +1,40 @@
+"""The decoder skeleton of mixture-of-experts families: what every MoE family reads from its
+routed layers, stated once (routing statistics, load-balancing loss, load imbalance, active
+parameters). A family states only which layers are MoE and how (``feed_forward``)."""
+
+from __future__ import annotations
+
+import torch
+
+from temper.models.layers.decoder import Decoder
+from temper.models.layers.moe import MoE, RoutingStats, load_balancing_loss, load_imbalance
+
+
+class MoEDecoder(Decoder):
+    """A ``Decoder`` with MoE MLPs in some layers; its args carry ``top_k`` and ``n_experts``.
+
+    The latest forward's routing gives ``aux_loss`` (load balancing, before the family's
+    ``router_aux_loss_coef``) and ``load_imbalance``, which the causal-LM objective reads."""
+
+    def routing(self) -> list[RoutingStats]:
+        """Each MoE layer's routing in the latest forward."""
+        stats = [m.routing for m in self.modules() if isinstance(m, MoE)]
+        if not stats or any(s is None for s in stats):
+            raise RuntimeError("no routing statistics: run a forward with MoE layers first")
+        return stats
+
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the latest forward, before ``router_aux_loss_coef``."""
+        return load_balancing_loss(self.routing())
+
+    def load_imbalance(self) -> torch.Tensor:
+        return load_imbalance(self.routing())
+
+    def active_params(self) -> float:
+        """As the dense count, but each token multiplies only top_k of n_experts routed expert
+        weights (shared experts count in full)."""
+        args = self.args
+        experts = sum(
+            p.numel() for m in self.modules() if isinstance(m, MoE) for p in m.experts.parameters()
+        )
+        return super().active_params() - experts * (1 - args.top_k / args.n_experts)
