@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -25,11 +26,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--check_only",
         action="store_true",
-        help="load and validate the config, print it, and exit (run_train.sh's pre-flight)",
+        help="validate the config and every input a run reads (data, tokenizer, chat "
+        "template, LoRA targets, checkpoint, run folder), print the config, and exit "
+        "(run_train.sh's pre-flight)",
     )
     known, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(known.module, known.config, overrides)
+        if known.check_only:
+            from temper.trainer.preflight import preflight
+
+            preflight(config)
     except ConfigError as err:
         print(f"temper: config error: {err}", file=sys.stderr)
         return 2
@@ -43,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         Trainer(config).train()
     except ConfigError as err:
-        print(f"temper: config error: {err}", file=sys.stderr)
+        # Every rank meets the same bad input; one line says it.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"temper: config error: {err}", file=sys.stderr)
         return 2
     finally:
         shutdown_runtime()

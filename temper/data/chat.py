@@ -152,11 +152,14 @@ def check_messages(value: Any, where: str, field: str = "messages") -> list[Mess
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def read_jsonl(path: str) -> list[tuple[str, dict[str, Any]]]:
-    """The records of a JSONL file, each with its ``file:line`` for error messages."""
-    records = []
+def read_jsonl(path: str, limit: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The records of a JSONL file (the first ``limit`` when given), each with its
+    ``file:line`` for error messages."""
+    records: list[tuple[str, dict[str, Any]]] = []
     with Path(path).open(encoding="utf-8") as file:
         for lineno, line in enumerate(file, start=1):
+            if limit is not None and len(records) == limit:
+                break
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"

@@ -58,21 +58,8 @@ class Engine:
         seed_everything(config.training.seed, config.training.deterministic)
         configure_kernels(config.kernels, self.device)
 
-        self.tokenizer: Tokenizer = load_tokenizer(
-            config.data.tokenizer_path or config.model.hf_path
-        )
-        model = build_meta_model(config)
-        _check_vocab(self.tokenizer, model.tok_embeddings.num_embeddings, config)
-        if config.lora.enable:
-            lora = config.lora
-            apply_lora(
-                model,
-                lora.target_modules,
-                rank=lora.rank,
-                alpha=lora.alpha,
-                dropout=lora.dropout,
-                rslora=lora.rslora,
-            )
+        self.tokenizer: Tokenizer = load_run_tokenizer(config)
+        model = build_run_model(config, self.tokenizer)
         self.checkpointer = TrainCheckpointer(config)
         self.checkpointer.check(model)
         self.meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None
@@ -206,9 +193,51 @@ def build_meta_model(config: Config) -> nn.Module:
     return build_model(config.model.name, config.model.flavor)
 
 
-def _check_vocab(tokenizer: Tokenizer, model_vocab: int, config: Config) -> None:
+def tokenizer_flag(config: Config) -> str:
+    """The flag that names the run's tokenizer, for error messages."""
+    if config.data.tokenizer_path is not None:
+        return f"data.tokenizer_path {config.data.tokenizer_path}"
+    if config.model.hf_path is not None:
+        return f"model.hf_path {config.model.hf_path}"
+    return "the built-in tokenizer"
+
+
+def load_run_tokenizer(config: Config) -> Tokenizer:
+    """``data.tokenizer_path``'s tokenizer, else ``model.hf_path``'s, else the built-in one;
+    ConfigError naming the flag when it cannot be read."""
+    try:
+        return load_tokenizer(config.data.tokenizer_path or config.model.hf_path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{tokenizer_flag(config)}: {error}") from None
+
+
+def build_run_model(config: Config, tokenizer: Tokenizer) -> nn.Module:
+    """The run's model on meta with its LoRA adapters, refusing (ConfigError naming the
+    flag) an HF folder it cannot read, a tokenizer larger than the embedding, or LoRA
+    targets that match nothing: what the Engine builds on, and what the pre-flight checks."""
+    try:
+        model = build_meta_model(config)
+    except (OSError, ValueError) as error:
+        if isinstance(error, ConfigError) or config.model.hf_path is None:
+            raise
+        raise ConfigError(f"model.hf_path {config.model.hf_path}: {error}") from None
+    model_vocab = model.tok_embeddings.num_embeddings
     if tokenizer.vocab_size > model_vocab:
         raise ConfigError(
-            f"data.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but the "
+            f"{tokenizer_flag(config)}: the tokenizer has {tokenizer.vocab_size} tokens but the "
             f"model ({config.model.hf_path or config.model.flavor}) embeds only {model_vocab}"
         )
+    if config.lora.enable:
+        lora = config.lora
+        try:
+            apply_lora(
+                model,
+                lora.target_modules,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                rslora=lora.rslora,
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    return model
