@@ -1,0 +1,136 @@
+"""Exports that serve as is: the checkpoint carries its tokenizer and chat template,
+`dcp-to-hf` writes the stop and pad ids so transformers' `generate` stops where Temper's
+does, and `--adapter-only` writes a PEFT adapter that reproduces Temper's LoRA forward."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from temper.checkpoint.convert import dcp_to_hf, hf_to_dcp, main
+from temper.config import load_config
+from temper.data.chat import BUILTIN_TEMPLATE, render_chat, stop_token_ids
+from temper.engine import Engine
+from temper.generation import generate
+from temper.models.lora import lora_modules
+from temper.utils.device import Runtime
+
+MESSAGES = [{"role": "user", "content": "copy: a b c"}]
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+
+
+def one_process() -> Runtime:
+    return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def tiny_hf_folder(folder: Path, template: str | None = None) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=768,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    shutil.copy(resources.files("temper.assets") / "tokenizer.json", folder / "tokenizer.json")
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    if template is not None:
+        tokenizer_config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
+
+
+def test_sft_export_stops_where_temper_stops(tmp_path: Path) -> None:
+    config = load_config(
+        "temper.recipes.posttrain",
+        "sft_debug",
+        ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable"],
+    )
+    engine = Engine(config, one_process())
+    tokenizer, model = engine.tokenizer, engine.model.eval()
+    prompt = tokenizer.encode(render_chat(BUILTIN_TEMPLATE, MESSAGES, add_generation_prompt=True))
+    stops = stop_token_ids(tokenizer, BUILTIN_TEMPLATE)
+    end = tokenizer.encode("<|end|>")[0]
+    assert stops == {tokenizer.eos_id, end}
+    # A random model never ends a turn: make it say <|end|> where it would say its 4th token.
+    with torch.no_grad():
+        free = generate(model, [prompt], max_new_tokens=4).tokens[0].tolist()
+        model.output.weight[end] = 2 * model.output.weight[free[3]]
+        ours = generate(model, [prompt], max_new_tokens=16, stop_tokens=stops)
+    length = int(ours.lengths[0])
+    reply = ours.tokens[0, :length].tolist()
+    assert length < 16 and reply[-1] == end
+    engine.save(1, wait=True)
+    out = tmp_path / "hf"
+    dcp_to_hf(tmp_path / "run" / "checkpoints" / "step-1", out)
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(out)
+    encoded = hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert list(encoded["input_ids"]) == prompt  # the chat template came with the export
+    assert hf_tokenizer.eos_token == "<|end|>" and hf_tokenizer.pad_token == "<|pad|>"
+    hf_model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert hf_model.config.eos_token_id == end
+    assert hf_model.config.pad_token_id == tokenizer.pad_id
+    assert sorted(hf_model.generation_config.eos_token_id) == sorted(stops)
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    assert theirs[0, len(prompt) :].tolist() == reply
+
+
+def test_the_checkpoint_exports_without_its_tokenizer_folder(tmp_path: Path) -> None:
+    hf = tiny_hf_folder(tmp_path / "base", template=TEMPLATE)
+    hf_to_dcp(hf, tmp_path / "ckpt")
+    shutil.rmtree(hf)  # the checkpoint alone must be enough
+    args = ["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]
+    assert main(["dcp-to-hf", *args]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False)
+    assert text == render_chat(TEMPLATE, MESSAGES)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert config["pad_token_id"] == tokenizer.convert_tokens_to_ids("<|pad|>")
+
+
+def test_adapter_only_export_loads_in_peft(tmp_path: Path) -> None:
+    peft = pytest.importorskip(
+        "peft", reason="peft (the dev extra's test-only dependency) is not installed"
+    )
+    hf = tiny_hf_folder(tmp_path / "base")
+    config = load_config(
+        "temper.recipes.llama3",
+        "llama3_debug",
+        [
+            "--model.hf_path", str(hf),
+            "--job.dump_folder", str(tmp_path / "run"),
+            "--checkpoint.enable",
+            "--lora.enable",
+            "--lora.rank", "4",
+            "--lora.alpha", "12",
+        ],
+    )  # fmt: skip
+    engine = Engine(config, one_process())
+    with torch.no_grad():
+        for module in lora_modules(engine.model):
+            module.lora_b.normal_(std=0.1)  # as after training: the adapters change the output
+    engine.save(1, wait=True)
+    out = tmp_path / "adapter"
+    dcp_to_hf(tmp_path / "run" / "checkpoints" / "step-1", out, adapter_only=True)
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+
+    base = AutoModelForCausalLM.from_pretrained(hf).eval()
+    ids = torch.randint(0, 768, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        served = peft.PeftModel.from_pretrained(base, out).eval()
+        theirs = served(ids).logits
+        ours = engine.model.eval()(ids)
+    assert (ours - base_logits).abs().max() > 1e-2  # the adapters matter
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
