@@ -48,7 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from temper.utils.device import shutdown_runtime
 
     try:
-        Trainer(config).train()
+        finished = Trainer(config).train()
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a traceback per rank
+        if os.environ.get("RANK", "0") == "0":
+            print("temper: interrupted", file=sys.stderr)
+        return 130
     except ConfigError as err:
         # Every rank meets the same bad input; one line says it.
         if os.environ.get("RANK", "0") == "0":
@@ -56,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         shutdown_runtime()
-    return 0
+    return 0 if finished else 130
 
 
 if __name__ == "__main__":

@@ -16,9 +16,16 @@ class MetricsLogger:
     """Writes each logged step to the console, `<dump>/tb` and `<dump>/metrics.jsonl`."""
 
     def __init__(
-        self, dump_folder: str | Path, *, tensorboard: bool, enabled: bool, resume_step: int = 0
+        self,
+        dump_folder: str | Path,
+        *,
+        tensorboard: bool,
+        enabled: bool,
+        resume_step: int = 0,
+        total_steps: int | None = None,
     ) -> None:
         self.enabled = enabled
+        self.total_steps = total_steps
         self._jsonl: IO[str] | None = None
         self._tb = None
         if not enabled:
@@ -41,7 +48,7 @@ class MetricsLogger:
         if self._tb is not None:
             for name, value in metrics.items():
                 self._tb.add_scalar(name, value, step)
-        print(format_line(record), file=sys.stdout, flush=True)
+        print(format_line(record, self.total_steps), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -71,11 +78,12 @@ HEADLINE_METRICS = ("reward_mean", "accuracy", "reward_accuracy", "reward_margin
 reward and sampled accuracy, DPO's reward accuracy and margin): its loss alone says little."""
 
 
-def format_line(record: dict[str, Any]) -> str:
+def format_line(record: dict[str, Any], total_steps: int | None = None) -> str:
     eta = record.get("eta_seconds", 0.0)
+    step = f"{record['step']}/{total_steps}" if total_steps else str(record["step"])
     headline = "".join(f"{k} {record[k]:.3f}  " for k in HEADLINE_METRICS if k in record)
     return (
-        f"step {record['step']:>6}  loss {record['loss']:.4f}  {headline}"
+        f"step {step:>6}  loss {record['loss']:.4f}  {headline}"
         f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
         f"tok/s {record['tokens_per_second']:,.0f}  tflops {record['tflops']:.2f}  "
         f"mfu {record['mfu']:.1f}%  mem {record['memory_gib']:.2f}GiB  "

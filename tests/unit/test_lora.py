@@ -88,3 +88,19 @@ def test_export_merges_the_adapters(tmp_path) -> None:
     assert not any(isinstance(m, LoRALinear) for m in exported.modules())
     ids = torch.randint(0, 2048, (2, 16))
     torch.testing.assert_close(exported(ids), adapted(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_flops_count_no_weight_gradient_for_frozen_weights() -> None:
+    """LoRA on wq and wv of the debug Llama (dim 256, 4 layers, 8 heads of 32, 4 KV heads,
+    FFN 768, vocab 2048, untied): 6 FLOPs per token for each adapter weight, 4 for each
+    frozen one (forward and input gradient, no weight gradient), the input embedding none."""
+    model = build_model("llama3", "debug")
+    apply_lora(model, ["layers.*.attention.wq", "layers.*.attention.wv"], rank=4, alpha=8.0)
+    adapters = 4 * ((4 * 256 + 256 * 4) + (4 * 256 + 128 * 4))
+    block = 256 * 256 + 2 * 256 * 128 + 256 * 256 + 3 * 256 * 768 + 2 * 256
+    frozen = 4 * block + 256 + 2048 * 256  # blocks, final norm, head
+    attention = 12 * 4 * 8 * 32 * 64
+    assert model.flops_per_token(64) == 6 * adapters + 4 * frozen + attention
+    for param in model.parameters():
+        param.requires_grad_(True)  # full fine-tuning: torchtitan's 6 per weight
+    assert model.flops_per_token(64) == 6 * (adapters + frozen) + attention

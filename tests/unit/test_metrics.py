@@ -89,3 +89,10 @@ def test_disabled_logger_writes_nothing(tmp_path) -> None:
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert not (tmp_path / "run").exists()
+
+
+def test_console_line_shows_the_step_of_the_total(tmp_path, capsys) -> None:
+    logger = MetricsLogger(tmp_path, tensorboard=False, enabled=True, total_steps=60)
+    logger.log(12, dict(TRAINER_ROW))
+    logger.close()
+    assert capsys.readouterr().out.startswith("step  12/60  loss 2.5000")
