@@ -39,6 +39,7 @@ from temper.checkpoint.tokenizer_files import (
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.models import get_model_spec, load_hf, materialize, save_hf
+from temper.models.hf import hf_module_names
 from temper.models.lora import apply_lora, merge_lora
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -81,6 +82,7 @@ def load_checkpoint_model(checkpoint: Path, merge: bool = True) -> nn.Module:
             rank=lora["rank"],
             alpha=lora["alpha"],
             rslora=lora["rslora"],
+            hf_names=hf_module_names(model),
         )
     materialize(model, "cpu")
     manager = CheckpointManager(checkpoint.parent, keep_latest_k=0, async_mode=False)

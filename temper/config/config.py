@@ -207,7 +207,8 @@ class LoRA:
     target_modules: list[str] = field(
         default_factory=lambda: ["layers.*.attention.w*", "layers.*.feed_forward.w*"]
     )
-    """fnmatch patterns on module names of the linear layers to adapt."""
+    """Linear layers to adapt: fnmatch patterns on Temper's module names, Hugging Face module
+    names as PEFT reads them (q_proj, v_proj, gate_proj, ...), or all-linear."""
 
 
 @dataclass

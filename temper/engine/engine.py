@@ -21,7 +21,7 @@ from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
 from temper.kernels.dispatch import configure_kernels
 from temper.models import build_hf_model, build_model, materialize
-from temper.models.hf import hf_named_tensors
+from temper.models.hf import hf_module_names, hf_named_tensors
 from temper.models.lora import apply_lora, init_lora
 from temper.models.protocols import PostStepHook
 from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
@@ -237,6 +237,7 @@ def build_run_model(config: Config, tokenizer: Tokenizer) -> nn.Module:
                 alpha=lora.alpha,
                 dropout=lora.dropout,
                 rslora=lora.rslora,
+                hf_names=hf_module_names(model),
             )
         except ValueError as error:
             raise ConfigError(str(error)) from None

@@ -114,6 +114,7 @@ def test_adapter_only_export_loads_in_peft(tmp_path: Path) -> None:
             "--lora.enable",
             "--lora.rank", "4",
             "--lora.alpha", "12",
+            "--lora.target_modules", "q_proj", "v_proj", "down_proj",
         ],
     )  # fmt: skip
     engine = Engine(config, one_process())

@@ -7,12 +7,14 @@ import torch
 from torch import nn
 
 from temper.models import build_model, materialize
+from temper.models.hf import hf_module_names
 from temper.models.lora import (
     LoRALinear,
     adapters_disabled,
     apply_lora,
     init_lora,
     lora_modules,
+    lora_targets,
     merge_lora,
 )
 
@@ -62,8 +64,42 @@ def test_lora_scale() -> None:
 
 
 def test_no_matching_module_fails() -> None:
-    with pytest.raises(ValueError, match="match no linear layer"):
+    with pytest.raises(ValueError, match="'nothing.*' matches no linear layer"):
         apply_lora(build_model("llama3", "debug"), ["nothing.*"], rank=2, alpha=2.0)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "deepseek_v3"])
+def test_hugging_face_names_pick_the_same_layers(family: str) -> None:
+    """PEFT-style names (a module's last HF name parts) select what Temper's names select."""
+    native = {
+        "llama3": ["layers.*.attention.wq", "layers.*.attention.wv", "layers.*.feed_forward.w1"],
+        "qwen3_moe": ["layers.*.attention.wq", "layers.*.attention.wv"],
+        "deepseek_v3": ["layers.*.attention.wq_b", "layers.*.attention.wkv_b"],
+    }[family]
+    hf = {
+        "llama3": ["q_proj", "self_attn.v_proj", "model.layers.*.mlp.gate_proj"],
+        "qwen3_moe": ["q_proj", "v_proj"],
+        "deepseek_v3": ["q_b_proj", "kv_b_proj"],
+    }[family]
+    model = build_model(family, "debug")
+    names = hf_module_names(model)
+    expected = lora_targets(model, native)
+    assert expected and lora_targets(model, hf, names) == expected
+    every = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "output"]
+    assert lora_targets(model, ["all-linear"], names) == every
+
+
+def test_an_unmatched_pattern_lists_the_valid_names() -> None:
+    model = build_model("llama3", "debug")
+    with pytest.raises(ValueError) as error:
+        apply_lora(model, ["q_proj", "v_prj"], rank=2, alpha=2.0, hf_names=hf_module_names(model))
+    assert str(error.value) == (
+        "lora.target_modules 'v_prj' matches no linear layer of Transformer; Hugging Face "
+        "names: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; "
+        "Temper names: layers.*.attention.wk, layers.*.attention.wo, layers.*.attention.wq, "
+        "layers.*.attention.wv, layers.*.feed_forward.w1, layers.*.feed_forward.w2, "
+        "layers.*.feed_forward.w3, output; or all-linear"
+    )
 
 
 def test_export_merges_the_adapters(tmp_path) -> None:

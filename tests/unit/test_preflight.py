@@ -55,8 +55,9 @@ def tiny_hf_folder(folder: Path, vocab_size: int = 768) -> Path:
 def test_a_good_config_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    lora = ["--lora.enable", "--lora.target_modules", "q_proj", "v_proj"]  # HF names work
     code, err = check(
-        capsys, *SFT, "--data.path", str(data), "--job.dump_folder", str(tmp_path / "run")
+        capsys, *SFT, *lora, "--data.path", str(data), "--job.dump_folder", str(tmp_path / "run")
     )
     assert code == 0, err
 
@@ -117,7 +118,8 @@ def test_lora_targets_that_match_nothing(
 ) -> None:
     args = ["--lora.enable", "--lora.target_modules", "layers.*.nothing"]
     line = one_error(*check(capsys, *args, "--job.dump_folder", str(tmp_path)))
-    assert "lora.target_modules ['layers.*.nothing'] match no linear layer" in line
+    assert "lora.target_modules 'layers.*.nothing' matches no linear layer" in line
+    assert "Hugging Face names: down_proj, gate_proj" in line
 
 
 def test_initial_load_of_another_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
