@@ -113,7 +113,7 @@ def test_mismatched_structure_is_refused(tmp_path: Path, monkeypatch: pytest.Mon
     def materialize(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was materialized before the checkpoint was checked")
 
-    monkeypatch.setattr("temper.trainer.trainer.materialize", materialize)
+    monkeypatch.setattr("temper.engine.engine.materialize", materialize)
     with pytest.raises(ConfigError, match=r"model.args.dim: checkpoint 256, config 2048"):
         Trainer(config)
     config.checkpoint.resume = "never"
