@@ -74,7 +74,8 @@ def prompt_dataset(
     """The prompt row stream of ``records`` (see the module docstring)."""
     kept = []
     for messages, answer in records:
-        ids = tokenizer.encode(render_chat(template, messages, add_generation_prompt=True))
+        text = render_chat(template, messages, True, **tokenizer.special_tokens)
+        ids = tokenizer.encode(text)
         if len(ids) <= width:
             kept.append((ids, answer))
     stats = {"truncated": 0, "dropped": len(records) - len(kept)}
