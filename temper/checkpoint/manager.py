@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,17 @@ import torch.distributed.checkpoint as dcp
 
 from temper.checkpoint.metadata import METADATA_FILE, read_metadata
 from temper.checkpoint.state import join_tensors, split_tensors
+
+# DCP warns at every save and load without a process group that it assumes one process,
+# even when told so (no_dist=True; torch 2.11 to 2.13), and an async save warns from its
+# worker thread. One process is what a single-process run and the converter mean; the
+# warning says nothing else, and is raised only then.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+    module=r"torch\.distributed\.checkpoint",
+)
 
 STATE_FILE = "state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
