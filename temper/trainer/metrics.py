@@ -6,6 +6,7 @@ import json
 import resource
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
@@ -99,8 +100,14 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+ETA_WINDOW = 20
+"""Steps the ETA's time per step is measured over: recent ones, so a slow first step
+(compilation, warm-up) or a change of speed does not skew it for the rest of the run."""
+
+
 class Throughput:
-    """Tokens/s, TFLOP/s, MFU and ETA over the steps since the last log."""
+    """Tokens/s, TFLOP/s and MFU over the steps since the last log; the ETA from the time per
+    step over about the last ``ETA_WINDOW`` steps."""
 
     def __init__(self, flops_per_token: float, peak_flops: float | None, total_steps: int) -> None:
         self.flops_per_token = flops_per_token
@@ -108,7 +115,7 @@ class Throughput:
         self.total_steps = total_steps
         self._tokens = 0
         self._start = time.perf_counter()
-        self._train_start = self._start
+        self._marks: deque[tuple[int, float]] = deque()
 
     def add_tokens(self, tokens: int) -> None:
         self._tokens += tokens
@@ -119,7 +126,13 @@ class Throughput:
         elapsed = max(now - self._start, 1e-9)
         tokens_per_second = self._tokens / elapsed
         flops = self.flops_per_token * tokens_per_second
-        per_step = (now - self._train_start) / max(step - first_step + 1, 1)
+        if not self._marks:
+            self._marks.append((first_step - 1, self._start))
+        self._marks.append((step, now))
+        while len(self._marks) > 2 and step - self._marks[1][0] >= ETA_WINDOW:
+            self._marks.popleft()
+        since_step, since = self._marks[0]
+        per_step = (now - since) / max(step - since_step, 1)
         self._tokens, self._start = 0, now
         return {
             "tokens_per_second": tokens_per_second,
