@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import shlex
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from temper.checkpoint.convert import dcp_to_hf
 from temper.checkpoint.manager import checkpoint_dir
 from temper.config import Config, load_config, save_config
 from temper.data.batch import Batch
@@ -106,7 +108,11 @@ class Trainer:
         state = self.state
         if self._checkpoint_due(last):
             metadata = {"tokens_seen": state.tokens_seen}
-            self.engine.save(state.step, state, metadata=metadata, wait=last)
+            export = self.config.checkpoint.hf_export
+            export = export == "every" or (export == "final" and last)
+            self.engine.save(state.step, state, metadata=metadata, wait=last or export)
+            if export and self.engine.runtime.is_main:
+                self._say(f"temper: exported {export_hf(self.config, state.step)}")
         if state.step % self.config.metrics.log_freq == 0 or last:
             self._log(metrics)
 
@@ -205,6 +211,16 @@ class Trainer:
         key = f"{self.config.training.seed}:{self.state.step}:{index}".encode()
         seed = int.from_bytes(hashlib.sha256(key).digest()[:7], "little")
         return torch.Generator(self.engine.device).manual_seed(seed)
+
+
+def export_hf(config: Config, step: int) -> Path:
+    """``dcp-to-hf`` of checkpoint ``step`` into ``<job.dump_folder>/hf/step-<step>``."""
+    output = Path(config.job.dump_folder) / "hf" / f"step-{step}"
+    root = Path(config.job.dump_folder) / config.checkpoint.folder
+    if output.exists():  # a step trained again after a resume: its new weights replace it
+        shutil.rmtree(output)
+    dcp_to_hf(checkpoint_dir(root, step), output)
+    return output
 
 
 def train_initial_checkpoint(config: Config, runtime: Runtime) -> str:

@@ -135,3 +135,38 @@ def test_adapter_only_export_loads_in_peft(tmp_path: Path) -> None:
         ours = engine.model.eval()(ids)
     assert (ours - base_logits).abs().max() > 1e-2  # the adapters matter
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+
+def test_hf_export_final_writes_the_trained_model(tmp_path: Path) -> None:
+    from temper.trainer.trainer import Trainer
+
+    config = load_config(
+        "temper.recipes.llama3",
+        "llama3_debug",
+        [
+            "--training.steps", "2",
+            "--training.seq_len", "16",
+            "--training.local_batch_size", "2",
+            "--job.dump_folder", str(tmp_path),
+            "--checkpoint.enable",
+            "--checkpoint.interval", "1",
+            "--checkpoint.hf_export", "final",
+            "--metrics.no-tensorboard",
+        ],
+    )  # fmt: skip
+    trainer = Trainer(config, one_process())
+    trainer.train()
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["step-2"]  # final only
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "step-2").eval()
+    ids = torch.randint(0, 688, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = trainer.engine.model.eval()(ids)
+        theirs = exported(ids).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_hf_export_needs_checkpoints() -> None:
+    from temper.config import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.hf_export every exports checkpoints"):
+        load_config("temper.recipes.llama3", "llama3_debug", ["--checkpoint.hf_export", "every"])
