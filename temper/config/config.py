@@ -209,6 +209,10 @@ class LoRA:
     )
     """Linear layers to adapt: fnmatch patterns on Temper's module names, Hugging Face module
     names as PEFT reads them (q_proj, v_proj, gate_proj, ...), or all-linear."""
+    initial_adapter: str | None = None
+    """A PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) whose adapters
+    start the run instead of the fresh init; its r, lora_alpha, use_rslora and target layers
+    must be this section's."""
 
 
 @dataclass

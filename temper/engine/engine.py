@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from temper.config import Config, ConfigError
+from temper.checkpoint.adapter import read_peft_adapter
+from temper.config import Config, ConfigError, LoRA
 from temper.data.batch import Batch
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
@@ -67,6 +69,8 @@ class Engine:
         with layout_invariant_init():
             self.model: nn.Module = materialize(model, self.device, config.model.hf_path)
             init_lora(self.model)
+        if config.lora.enable and config.lora.initial_adapter is not None:
+            load_initial_adapter(self.model, config.lora)
         if self.checkpointer.resume_step is None and config.checkpoint.initial_load:
             load_model_weights(self.model, config.checkpoint.initial_load)
         self.model.attn_backend = config.model.attn
@@ -191,6 +195,25 @@ def build_meta_model(config: Config) -> nn.Module:
     if config.model.hf_path is not None:
         return build_hf_model(config.model.hf_path)
     return build_model(config.model.name, config.model.flavor)
+
+
+def read_initial_adapter(model: nn.Module, lora: LoRA) -> dict[str, torch.Tensor]:
+    """``lora.initial_adapter``'s tensors by parameter name, checked against ``model``'s
+    adapters (on meta for the pre-flight); ConfigError naming the flag."""
+    try:
+        return read_peft_adapter(
+            model, lora.initial_adapter, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora
+        )
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"lora.initial_adapter {lora.initial_adapter}: {error}") from None
+
+
+def load_initial_adapter(model: nn.Module, lora: LoRA) -> None:
+    """Fill the (possibly sharded) adapters with a PEFT folder's: full tensors on every rank,
+    each rank keeping its shard."""
+    tensors = read_initial_adapter(model, lora)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, tensors, options=options)
 
 
 def tokenizer_flag(config: Config) -> str:

@@ -12,6 +12,7 @@ from temper.data.chat import load_chat_template
 from temper.data.tasks import check_data
 from temper.engine import build_run_model, load_run_tokenizer
 from temper.engine.checkpointing import TrainCheckpointer
+from temper.engine.engine import read_initial_adapter
 
 PREFLIGHT_RECORDS = 100
 """Records of each data file parsed before launch: the format's mistakes show in the first
@@ -37,6 +38,8 @@ def preflight(config: Config) -> None:
         except (OSError, ValueError) as error:
             raise ConfigError(f"data.chat_template: {error}") from None
     model = build_run_model(config, tokenizer)
+    if config.lora.enable and config.lora.initial_adapter is not None:
+        read_initial_adapter(model, config.lora)
     try:
         TrainCheckpointer(config).check(model)
     except ConfigError:

@@ -170,3 +170,45 @@ def test_hf_export_needs_checkpoints() -> None:
 
     with pytest.raises(ConfigError, match="checkpoint.hf_export every exports checkpoints"):
         load_config("temper.recipes.llama3", "llama3_debug", ["--checkpoint.hf_export", "every"])
+
+
+def test_a_peft_adapter_starts_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An adapter exported with --adapter-only starts a new run's adapters: its logits are
+    the trained run's; an adapter of another rank is refused before launch."""
+    from temper.train import main as train_main
+
+    hf = tiny_hf_folder(tmp_path / "base")
+    common = ["--model.hf_path", str(hf), "--checkpoint.enable", "--lora.enable"]
+    common += ["--lora.rank", "4", "--lora.target_modules", "q_proj", "v_proj"]
+    first = Engine(
+        load_config(
+            "temper.recipes.llama3",
+            "llama3_debug",
+            [*common, "--job.dump_folder", str(tmp_path / "a")],
+        ),
+        one_process(),
+    )
+    with torch.no_grad():
+        for module in lora_modules(first.model):
+            module.lora_b.normal_(std=0.1)
+    first.save(1, wait=True)
+    adapter = tmp_path / "adapter"
+    dcp_to_hf(tmp_path / "a" / "checkpoints" / "step-1", adapter, adapter_only=True)
+
+    start = [
+        *common,
+        "--lora.initial_adapter",
+        str(adapter),
+        "--job.dump_folder",
+        str(tmp_path / "b"),
+    ]
+    second = Engine(load_config("temper.recipes.llama3", "llama3_debug", start), one_process())
+    ids = torch.randint(0, 768, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(second.model(ids), first.model(ids), atol=0, rtol=0)
+
+    capsys.readouterr()
+    assert train_main(["--check_only", *start, "--lora.rank", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"temper: config error: lora.initial_adapter {adapter}: {adapter}: r is 4, the run's is 2"
+    )
