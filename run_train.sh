@@ -17,6 +17,12 @@ for arg in "$@"; do
 done
 WORLD_SIZE="$((NNODES * NGPU))" "$PYTHON" "${recipe[@]}" --check_only "$@" > /dev/null
 
+# One process needs no launcher: Ctrl-C then reaches the run alone (it stops at a step
+# boundary) instead of also raising in torchrun's agent.
+if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
+  exec "$PYTHON" "${recipe[@]}" "$@"
+fi
+
 launch=(--standalone)
 if [ "$NNODES" -gt 1 ]; then
   endpoint="${MASTER_ADDR:?NNODES > 1 needs MASTER_ADDR, the address of one of the nodes}"

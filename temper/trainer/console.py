@@ -71,11 +71,12 @@ def complete_line(step: int, root: Path) -> str:
 
 def stopped_line(step: int, root: Path, checkpointing: bool) -> str:
     latest = latest_checkpoint(root) if checkpointing else None
-    where = (
-        f"latest checkpoint {latest}; rerun the same command to resume"
-        if latest is not None
-        else "no checkpoint saved (--checkpoint.enable saves them)"
-    )
+    if latest is not None:
+        where = f"latest checkpoint {latest}; rerun the same command to resume"
+    elif checkpointing:
+        where = "no checkpoint saved yet (checkpoint.interval); a rerun starts again"
+    else:
+        where = "no checkpoint saved (--checkpoint.enable saves them)"
     return f"temper: stopped at step {step} on Ctrl-C; {where}"
 
 
