@@ -11,11 +11,17 @@ NGPU="${NGPU:-1}"
 NNODES="${NNODES:-1}"
 recipe=(-m temper.train --module "$MODULE" --config "$CONFIG")
 
-# Help and config errors are answered once, here, before any rank starts.
+# Help, the recipe list and config errors are answered once, here, before any rank starts.
 for arg in "$@"; do
-  case "$arg" in -h | --help) exec "$PYTHON" "${recipe[@]}" "$@" ;; esac
+  case "$arg" in -h | --help | --list) exec "$PYTHON" "${recipe[@]}" "$@" ;; esac
 done
 WORLD_SIZE="$((NNODES * NGPU))" "$PYTHON" "${recipe[@]}" --check_only "$@" > /dev/null
+
+# One process needs no launcher: Ctrl-C then reaches the run alone (it stops at a step
+# boundary) instead of also raising in torchrun's agent.
+if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
+  exec "$PYTHON" "${recipe[@]}" "$@"
+fi
 
 launch=(--standalone)
 if [ "$NNODES" -gt 1 ]; then

@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = str(args.hf) if args.hf is not None else None
     template = load_chat_template(args.chat_template, folder)
     prompts = [
-        tokenizer.encode(render_chat(template, messages, add_generation_prompt=True))
+        tokenizer.encode(render_chat(template, messages, True, **tokenizer.special_tokens))
         for messages, _ in records
     ]
     answers = greedy_answers(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,19 +18,72 @@ from temper.config import ConfigError, load_config
 DEFAULT_MODULE = "temper.recipes.llama3"
 DEFAULT_CONFIG = "llama3_debug"
 
+USAGE = f"""\
+usage: MODULE=<module> CONFIG=<function> NGPU=<n> ./run_train.sh [--section.field value ...]
+
+  MODULE  the Python module of the recipe (default {DEFAULT_MODULE}); --module here
+  CONFIG  the recipe: a function in MODULE returning a Config (default {DEFAULT_CONFIG});
+          --config here
+  NGPU    processes per node, one per GPU (default 1); NNODES=<n> MASTER_ADDR=<host> for
+          several nodes
+  ./run_train.sh --list   the built-in recipes and model families
+
+The fields below default to the recipe's values.
+"""
+
+
+def catalog() -> str:
+    """The built-in recipes (MODULE and CONFIG, each with its docstring's first line) and
+    the model families with their flavors."""
+    import importlib
+    import inspect
+
+    from temper.config.loading import builtin_recipe_modules, recipe_names
+    from temper.models.registry import all_model_specs
+
+    lines = ["Recipes (MODULE=<module> CONFIG=<function> ./run_train.sh):"]
+    for module in builtin_recipe_modules():
+        lines.append(f"  {module}")
+        mod = importlib.import_module(module)
+        for name in recipe_names(mod):
+            lines.append(f"    {name:<18} {_first_sentence(inspect.getdoc(getattr(mod, name)))}")
+    lines.append("Model families (--model.name, --model.flavor; or --model.hf_path FOLDER):")
+    for spec in sorted(all_model_specs(), key=lambda spec: spec.name):
+        lines.append(f"  {spec.name:<12} {', '.join(spec.flavors)}")
+    return "\n".join(lines)
+
+
+def _first_sentence(doc: str | None) -> str:
+    paragraph = " ".join((doc or "").split("\n\n")[0].split())
+    return paragraph.split(". ")[0].removesuffix(".") + "."
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--module", default=DEFAULT_MODULE)
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument(
+        "--list", action="store_true", help="list the built-in recipes and model families"
+    )
+    parser.add_argument(
         "--check_only",
         action="store_true",
-        help="load and validate the config, print it, and exit (run_train.sh's pre-flight)",
+        help="validate the config and every input a run reads (data, tokenizer, chat "
+        "template, LoRA targets, checkpoint, run folder), print the config, and exit "
+        "(run_train.sh's pre-flight)",
     )
     known, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.list:
+        print(catalog())
+        return 0
+    if "-h" in overrides or "--help" in overrides:
+        print(USAGE)
     try:
         config = load_config(known.module, known.config, overrides)
+        if known.check_only:
+            from temper.trainer.preflight import preflight
+
+            preflight(config)
     except ConfigError as err:
         print(f"temper: config error: {err}", file=sys.stderr)
         return 2
@@ -41,13 +95,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from temper.utils.device import shutdown_runtime
 
     try:
-        Trainer(config).train()
+        finished = Trainer(config).train()
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a traceback per rank
+        if os.environ.get("RANK", "0") == "0":
+            print("temper: interrupted", file=sys.stderr)
+        return 130
     except ConfigError as err:
-        print(f"temper: config error: {err}", file=sys.stderr)
+        # Every rank meets the same bad input; one line says it.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"temper: config error: {err}", file=sys.stderr)
         return 2
     finally:
         shutdown_runtime()
-    return 0
+    return 0 if finished else 130
 
 
 if __name__ == "__main__":

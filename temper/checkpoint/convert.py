@@ -5,7 +5,8 @@
 
 `dcp-to-hf` rebuilds the model from the checkpoint's `temper.json`, loads its weights
 (from any number of ranks' shards) and writes safetensors, `config.json` and the
-tokenizer files. `hf-to-dcp` writes a weights-only checkpoint that a run can start
+tokenizer files and chat template the checkpoint carries (`--adapter-only`: a LoRA run's
+adapters as a PEFT folder). `hf-to-dcp` writes a weights-only checkpoint that a run can start
 from with `--checkpoint.initial_load`.
 """
 
@@ -13,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from temper.checkpoint.adapter import save_peft_adapter
 from temper.checkpoint.manager import CheckpointManager, write_checkpoint
 from temper.checkpoint.metadata import (
     METADATA_FILE,
@@ -30,11 +30,18 @@ from temper.checkpoint.metadata import (
     read_metadata,
     run_structure,
 )
+from temper.checkpoint.tokenizer_files import (
+    CHAT_TEMPLATE_FILE,
+    TOKENIZER_FOLDER,
+    checkpoint_tokenizer,
+    tokenizer_files,
+)
+from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.models import get_model_spec, load_hf, materialize, save_hf
+from temper.models.hf import hf_module_names
 from temper.models.lora import apply_lora, merge_lora
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -59,8 +66,9 @@ def check_output(output: Path, sources: Sequence[Path]) -> None:
         )
 
 
-def load_checkpoint_model(checkpoint: Path) -> nn.Module:
-    """The model a checkpoint describes, with its weights, on the CPU."""
+def load_checkpoint_model(checkpoint: Path, merge: bool = True) -> nn.Module:
+    """The model a checkpoint describes, with its weights, on the CPU; LoRA adapters merged
+    into their base weights (``merge``) or kept."""
     metadata = read_metadata(checkpoint)
     spec = get_model_spec(metadata["model"]["family"])
     args = spec.hf_adapter.args_from_hf(metadata["model"]["hf_config"])
@@ -74,12 +82,13 @@ def load_checkpoint_model(checkpoint: Path) -> nn.Module:
             rank=lora["rank"],
             alpha=lora["alpha"],
             rslora=lora["rslora"],
+            hf_names=hf_module_names(model),
         )
     materialize(model, "cpu")
     manager = CheckpointManager(checkpoint.parent, keep_latest_k=0, async_mode=False)
     manager.load(checkpoint, {"model": get_model_state_dict(model)})
-    # LoRA is merged on export: the HF folder holds plain weights W + scale * B A.
-    return merge_lora(model) if lora else model
+    # The HF folder holds plain weights W + scale * B A.
+    return merge_lora(model) if lora and merge else model
 
 
 def load_for_inference(
@@ -92,7 +101,7 @@ def load_for_inference(
         tokenizer = load_tokenizer(str(hf))
     else:
         model = load_checkpoint_model(checkpoint).to(device=device, dtype=dtype)
-        tokenizer = load_tokenizer(read_metadata(checkpoint).get("tokenizer"))
+        tokenizer = load_tokenizer(checkpoint_tokenizer(checkpoint, read_metadata(checkpoint)))
     if tokenizer.vocab_size > model.args.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
@@ -101,19 +110,70 @@ def load_for_inference(
     return model, tokenizer
 
 
-def dcp_to_hf(checkpoint: Path, output: Path, dtype: str | None = None) -> None:
+def dcp_to_hf(
+    checkpoint: Path, output: Path, dtype: str | None = None, adapter_only: bool = False
+) -> None:
+    """Write an HF folder that serves as is: weights, config.json, the checkpoint's tokenizer
+    files and chat template, and the token ids a server stops and pads with (for a chat run
+    the end-of-turn token, so ``generate`` stops where the assistant's turn ends). With
+    ``adapter_only``, only a LoRA run's adapters, as a PEFT folder."""
     metadata = read_metadata(checkpoint)
-    tokenizer_source = metadata.get("tokenizer")
-    sources = [checkpoint] + ([Path(tokenizer_source)] if tokenizer_source else [])
-    if metadata.get("hf_path"):
-        sources.append(Path(metadata["hf_path"]))
-    check_output(output, sources)
+    recorded = [metadata.get(k) for k in ("tokenizer", "tokenizer_source", "hf_path")]
+    check_output(output, [checkpoint, *(Path(p) for p in recorded if p)])
+    if adapter_only:
+        lora = metadata["structure"].get("lora")
+        if not lora:
+            raise ValueError(f"--adapter-only: {checkpoint} was not trained with LoRA")
+        model = load_checkpoint_model(checkpoint, merge=False)
+        save_peft_adapter(model, lora, output, metadata.get("hf_path"))
+        return
     model = load_checkpoint_model(checkpoint)
     if dtype is not None:
         model = model.to(DTYPES[dtype])
-    tokenizer = load_tokenizer(tokenizer_source)
-    save_hf(model, output, extra_config={"eos_token_id": tokenizer.eos_id})
-    _write_tokenizer_files(tokenizer_source, output, tokenizer)
+    source = checkpoint_tokenizer(checkpoint, metadata)
+    tokenizer = load_tokenizer(source)
+    files = {
+        name.removeprefix(f"{TOKENIZER_FOLDER}/"): text
+        for name, text in tokenizer_files(source, None).items()
+    }
+    chat = metadata.get("data_format", "text") != "text"
+    template = _chat_template(files, source) if chat else None
+    turn_end = _turn_end(tokenizer, template)
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else turn_end
+    stops = sorted(stop_token_ids(tokenizer, template)) if template is not None else turn_end
+    save_hf(
+        model,
+        output,
+        extra_config={"eos_token_id": turn_end, "pad_token_id": pad},
+        generation_config={"eos_token_id": stops},
+    )
+    config = json.loads(files["tokenizer_config.json"])
+    config["eos_token"] = tokenizer.decode([turn_end])
+    config["pad_token"] = tokenizer.decode([pad])
+    files["tokenizer_config.json"] = json.dumps(config, indent=2) + "\n"
+    if template is not None:
+        files[CHAT_TEMPLATE_FILE] = template
+    for name, text in files.items():
+        (output / name).write_text(text)
+
+
+def _chat_template(files: dict[str, str], source: str | None) -> str | None:
+    """The template a chat run's data was rendered with: carried by the checkpoint, else
+    (older checkpoints) its tokenizer folder's or the built-in one."""
+    if CHAT_TEMPLATE_FILE in files:
+        return files[CHAT_TEMPLATE_FILE]
+    try:
+        return load_chat_template(None, source)
+    except ValueError:
+        return None
+
+
+def _turn_end(tokenizer: Tokenizer, template: str | None) -> int:
+    """The token a reply ends with: the template's end-of-turn token, else EOS."""
+    if template is None:
+        return tokenizer.eos_id
+    others = stop_token_ids(tokenizer, template) - {tokenizer.eos_id}
+    return min(others) if others else tokenizer.eos_id
 
 
 def hf_to_dcp(hf: Path, output: Path) -> None:
@@ -123,28 +183,10 @@ def hf_to_dcp(hf: Path, output: Path) -> None:
         model,
         step=0,
         structure=run_structure(ep=1, lora=None, param_dtype=torch.float32),
-        extra={"tokenizer": str(hf.resolve()), "hf_path": str(hf.resolve())},
+        extra={"tokenizer_source": str(hf.resolve()), "hf_path": str(hf.resolve())},
     )
-    write_checkpoint(output, {"model": get_model_state_dict(model)}, metadata)
-
-
-def _write_tokenizer_files(source: str | None, output: Path, tokenizer) -> None:
-    if source is None:
-        builtin = resources.files("temper.assets") / "tokenizer.json"
-        shutil.copy(builtin, output / "tokenizer.json")
-        eos = tokenizer.decode([tokenizer.eos_id])
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
-        if tokenizer.pad_id is not None:
-            config["pad_token"] = tokenizer.decode([tokenizer.pad_id])
-        (output / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return
-    folder = Path(source)
-    if folder.is_file():
-        shutil.copy(folder, output / "tokenizer.json")
-        return
-    for name in TOKENIZER_FILES:
-        if (folder / name).is_file():
-            shutil.copy(folder / name, output / name)
+    state = {"model": get_model_state_dict(model)}
+    write_checkpoint(output, state, metadata, files=tokenizer_files(str(hf), None))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,13 +198,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     to_hf.add_argument(
         "--dtype", choices=sorted(DTYPES), help="cast the weights (default: as saved)"
     )
+    to_hf.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run: write only its adapters as a PEFT folder (adapter_config.json, "
+        "adapter_model.safetensors) for the base model's HF folder",
+    )
     from_hf = commands.add_parser("hf-to-dcp", help="an HF folder -> a weights-only checkpoint")
     from_hf.add_argument("--hf", type=Path, required=True, help="a local HF model folder")
     from_hf.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "dcp-to-hf":
-            dcp_to_hf(args.checkpoint, args.output, args.dtype)
+            dcp_to_hf(args.checkpoint, args.output, args.dtype, args.adapter_only)
         else:
             hf_to_dcp(args.hf, args.output)
     except (OutputRefused, FileNotFoundError, ValueError) as err:

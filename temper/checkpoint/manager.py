@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,17 @@ import torch.distributed.checkpoint as dcp
 
 from temper.checkpoint.metadata import METADATA_FILE, read_metadata
 from temper.checkpoint.state import join_tensors, split_tensors
+
+# DCP warns at every save and load without a process group that it assumes one process,
+# even when told so (no_dist=True; torch 2.11 to 2.13), and an async save warns from its
+# worker thread. One process is what a single-process run and the converter mean; the
+# warning says nothing else, and is raised only then.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+    module=r"torch\.distributed\.checkpoint",
+)
 
 STATE_FILE = "state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -81,8 +93,15 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         self._async_group: dist.ProcessGroup | None = None
 
-    def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
-        """Write `state` (nested dicts of tensors and JSON values) as checkpoint `step`.
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        metadata: dict[str, Any],
+        files: dict[str, str] | None = None,
+    ) -> None:
+        """Write `state` (nested dicts of tensors and JSON values) as checkpoint `step`, with
+        `files` (relative name -> text: the tokenizer's) beside it.
 
         In async mode this returns once the tensors are staged in memory; the files
         are written in the background and renamed into place by the next `save`
@@ -91,9 +110,9 @@ class CheckpointManager:
         self.wait()
         final = checkpoint_dir(self.root, step)
         if not self.async_mode:
-            write_checkpoint(final, state, metadata, keep_latest_k=self.keep_latest_k)
+            write_checkpoint(final, state, metadata, self.keep_latest_k, files)
             return
-        partial, tensors, files = _prepare(final, state, metadata)
+        partial, tensors, files = _prepare(final, state, metadata, files)
         future = dcp.async_save(
             tensors, checkpoint_id=str(partial), process_group=self._background_group()
         )
@@ -134,18 +153,23 @@ class CheckpointManager:
 
 
 def write_checkpoint(
-    final: Path, state: dict[str, Any], metadata: dict[str, Any], keep_latest_k: int = 0
+    final: Path,
+    state: dict[str, Any],
+    metadata: dict[str, Any],
+    keep_latest_k: int = 0,
+    files: dict[str, str] | None = None,
 ) -> None:
-    """Synchronously and atomically write `state` as the checkpoint folder `final`."""
-    partial, tensors, files = _prepare(final, state, metadata)
+    """Synchronously and atomically write `state` as the checkpoint folder `final`, with the
+    text `files` (relative name -> text)."""
+    partial, tensors, files = _prepare(final, state, metadata, files)
     dcp.save(tensors, checkpoint_id=str(partial))
     _publish(partial, final, files, keep_latest_k)
 
 
 def _prepare(
-    final: Path, state: dict[str, Any], metadata: dict[str, Any]
+    final: Path, state: dict[str, Any], metadata: dict[str, Any], extra: dict[str, str] | None
 ) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
-    """A fresh partial folder beside `final`, the tensors to save and the JSON files."""
+    """A fresh partial folder beside `final`, the tensors to save and the text files."""
     partial = final.parent / f".{final.name}.partial"
     if _is_main():
         shutil.rmtree(partial, ignore_errors=True)
@@ -153,7 +177,7 @@ def _prepare(
     _barrier()
     tensors, skeleton = split_tensors(state)
     files = {STATE_FILE: json.dumps(skeleton), METADATA_FILE: json.dumps(metadata, indent=2)}
-    return partial, tensors, files
+    return partial, tensors, {**(extra or {}), **files}
 
 
 def _publish(partial: Path, final: Path, files: dict[str, str], keep_latest_k: int) -> None:
@@ -181,6 +205,7 @@ def _select(skeleton: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write_durably(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
         f.flush()

@@ -247,7 +247,12 @@ class LoRA:
     target_modules: list[str] = field(
         default_factory=lambda: ["layers.*.attention.w*", "layers.*.feed_forward.w*"]
     )
-    """fnmatch patterns on module names of the linear layers to adapt."""
+    """Linear layers to adapt: fnmatch patterns on Temper's module names, Hugging Face module
+    names as PEFT reads them (q_proj, v_proj, gate_proj, ...), or all-linear."""
+    initial_adapter: str | None = None
+    """A PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) whose adapters
+    start the run instead of the fresh init; its r, lora_alpha, use_rslora and target layers
+    must be this section's."""
 
 
 @dataclass
@@ -303,6 +308,9 @@ class Checkpoint:
     initial_load: str | None = None
     """A checkpoint folder whose model weights start a new run (when there is nothing to
     resume)."""
+    hf_export: Literal["none", "final", "every"] = "none"
+    """Also write a Hugging Face folder (as ``dcp-to-hf`` does) to job.dump_folder/hf/step-<N>
+    for the final checkpoint or for every one (rank 0, on the CPU)."""
     initial_recipe: str | None = None
     """``module:function`` of a recipe, then any of its overrides (``--training.steps 90``),
     to train first when initial_load is None; its final checkpoint (under
@@ -425,6 +433,11 @@ def _check_checkpoint(checkpoint: Checkpoint) -> None:
     if checkpoint.resume not in ("auto", "never") and not checkpoint.resume.isdigit():
         raise ConfigError(
             f"checkpoint.resume must be auto, never or a step number, got {checkpoint.resume!r}"
+        )
+    if checkpoint.hf_export != "none" and not checkpoint.enable:
+        raise ConfigError(
+            f"checkpoint.hf_export {checkpoint.hf_export} exports checkpoints: add "
+            "--checkpoint.enable"
         )
     if checkpoint.initial_load is not None and not os.path.isfile(
         os.path.join(checkpoint.initial_load, "temper.json")

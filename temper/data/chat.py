@@ -1,7 +1,9 @@
 """Chat records -> token ids with a mask of the tokens that train (assistant turns by default).
 
 A conversation is rendered with a Jinja chat template the way ``transformers`` renders it
-(sandboxed, ``trim_blocks`` and ``lstrip_blocks``), either the model folder's or the
+(sandboxed, ``trim_blocks`` and ``lstrip_blocks``, with the tokenizer's special tokens
+(``bos_token``, ``eos_token``, ...), ``strftime_now``, and ``tools`` / ``documents`` as None),
+either the model folder's or the
 built-in one for the built-in tokenizer. To know which tokens an assistant wrote, the
 conversation is rendered turn by turn: the text up to an assistant turn with the generation
 prompt, then through that turn; the difference is the assistant's. Each piece is tokenized on
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -49,15 +52,18 @@ def _compile(template: str) -> jinja2.Template:
     )
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return env.from_string(template)
 
 
 def render_chat(
     template: str, messages: Sequence[Message], add_generation_prompt: bool = False, **extra: Any
 ) -> str:
-    """The conversation as text, like ``apply_chat_template(..., tokenize=False)``."""
+    """The conversation as text, like ``apply_chat_template(..., tokenize=False)``; ``extra``
+    are more template variables (a tokenizer's ``special_tokens``)."""
+    variables = {"tools": None, "documents": None, **extra}
     return _compile(template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, **extra
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
     )
 
 
@@ -101,8 +107,8 @@ def tokenize_chat(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render_chat(template, messages[:i], add_generation_prompt=True)
-        through = render_chat(template, messages[: i + 1])
+        prompt = render_chat(template, messages[:i], True, **tokenizer.special_tokens)
+        through = render_chat(template, messages[: i + 1], **tokenizer.special_tokens)
         if not (prompt.startswith(done) and through.startswith(prompt)):
             raise ValueError(
                 "the chat template does not render a conversation as a prefix of the longer "
@@ -110,7 +116,7 @@ def tokenize_chat(
             )
         pieces += [(prompt[len(done) :], train_on_prompt), (through[len(prompt) :], True)]
         done = through
-    full = render_chat(template, messages)
+    full = render_chat(template, messages, **tokenizer.special_tokens)
     if not full.startswith(done):
         raise ValueError("the chat template renders the whole conversation differently")
     pieces.append((full[len(done) :], train_on_prompt))
@@ -127,8 +133,9 @@ def stop_token_ids(tokenizer: Tokenizer, template: str) -> set[int]:
     """The ids that end an assistant turn: EOS, and the first token the template writes after
     an answer (``<|end|>``, ``<|im_end|>``, ``<|eot_id|>``...), so decoding stops there."""
     question = [{"role": "user", "content": "1"}]
-    prompt = render_chat(template, question, add_generation_prompt=True)
-    answered = render_chat(template, [*question, {"role": "assistant", "content": "1"}])
+    prompt = render_chat(template, question, True, **tokenizer.special_tokens)
+    answer = {"role": "assistant", "content": "1"}
+    answered = render_chat(template, [*question, answer], **tokenizer.special_tokens)
     stops = {tokenizer.eos_id}
     if answered.startswith(prompt + "1"):
         after = tokenizer.encode(answered[len(prompt) + 1 :])
@@ -152,11 +159,14 @@ def check_messages(value: Any, where: str, field: str = "messages") -> list[Mess
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def read_jsonl(path: str) -> list[tuple[str, dict[str, Any]]]:
-    """The records of a JSONL file, each with its ``file:line`` for error messages."""
-    records = []
+def read_jsonl(path: str, limit: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The records of a JSONL file (the first ``limit`` when given), each with its
+    ``file:line`` for error messages."""
+    records: list[tuple[str, dict[str, Any]]] = []
     with Path(path).open(encoding="utf-8") as file:
         for lineno, line in enumerate(file, start=1):
+            if limit is not None and len(records) == limit:
+                break
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"

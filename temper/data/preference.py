@@ -40,10 +40,11 @@ def _turns(value: Any, where: str, field: str, role: str) -> list[dict[str, str]
     return check_messages(value, where, field)
 
 
-def read_preference_records(path: str) -> list[Pair]:
-    """The pairs of a JSONL file; a malformed record fails naming its file and line."""
+def read_preference_records(path: str, limit: int | None = None) -> list[Pair]:
+    """The pairs of a JSONL file (the first ``limit``); a malformed record fails
+    naming its file and line."""
     pairs = []
-    for where, record in read_jsonl(path):
+    for where, record in read_jsonl(path, limit):
         prompt = _turns(record.get("prompt"), where, "prompt", "user")
         chosen = _turns(record.get("chosen"), where, "chosen", "assistant")
         rejected = _turns(record.get("rejected"), where, "rejected", "assistant")

@@ -29,10 +29,11 @@ ANSWER_BYTES = 256
 """Room for a reference answer, in UTF-8 bytes."""
 
 
-def read_prompt_records(path: str) -> list[PromptRecord]:
-    """The prompts of a JSONL file; a malformed record fails naming its file and line."""
+def read_prompt_records(path: str, limit: int | None = None) -> list[PromptRecord]:
+    """The prompts of a JSONL file (the first ``limit``); a malformed record fails
+    naming its file and line."""
     records = []
-    for where, record in read_jsonl(path):
+    for where, record in read_jsonl(path, limit):
         prompt = record.get("prompt")
         if prompt is None:
             raise RecordError(f"{where}: record has no field 'prompt'")
@@ -73,7 +74,8 @@ def prompt_dataset(
     """The prompt row stream of ``records`` (see the module docstring)."""
     kept = []
     for messages, answer in records:
-        ids = tokenizer.encode(render_chat(template, messages, add_generation_prompt=True))
+        text = render_chat(template, messages, True, **tokenizer.special_tokens)
+        ids = tokenizer.encode(text)
         if len(ids) <= width:
             kept.append((ids, answer))
     stats = {"truncated": 0, "dropped": len(records) - len(kept)}

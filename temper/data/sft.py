@@ -175,9 +175,12 @@ def pad_id(tokenizer: Tokenizer) -> int:
     return tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
 
 
-def read_sft_records(path: str) -> list[list[dict[str, str]]]:
-    """The ``messages`` of every record of a JSONL file; malformed ones fail at file:line."""
-    return [check_messages(record.get("messages"), where) for where, record in read_jsonl(path)]
+def read_sft_records(path: str, limit: int | None = None) -> list[list[dict[str, str]]]:
+    """The ``messages`` of every record of a JSONL file (the first ``limit``); malformed ones
+    fail at file:line."""
+    return [
+        check_messages(record.get("messages"), where) for where, record in read_jsonl(path, limit)
+    ]
 
 
 def sft_dataset(

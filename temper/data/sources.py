@@ -104,6 +104,24 @@ def _list_files(root: Path) -> list[Path]:
     return [root]
 
 
+def check_documents(path: str, text_field: str, limit: int) -> None:
+    """Raise naming file and line unless ``path`` holds .txt/.jsonl files whose first
+    ``limit`` lines parse (JSONL records with a string ``text_field``; UTF-8 text): the
+    pre-flight check, cheap on a large corpus."""
+    for file in _list_files(Path(path)):
+        with file.open("rb") as handle:
+            for lineno, line in enumerate(handle, start=1):
+                if lineno > limit:
+                    break
+                if file.suffix == ".txt":
+                    try:
+                        line.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise ValueError(f"{file}:{lineno}: not valid UTF-8") from None
+                elif line.strip():
+                    _jsonl_text(line, file, lineno, text_field)
+
+
 class FileSource:
     """Documents of a ``.txt``/``.jsonl`` file or a folder of them, in sorted path order.
 

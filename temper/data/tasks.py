@@ -9,6 +9,7 @@ item changed, so the pair differs only where the task is done wrong. Examples ar
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Literal
 
 from temper.config import Config, Data
@@ -17,6 +18,7 @@ from temper.data.loader import BatchLoader, build_text_loader
 from temper.data.preference import preference_dataset, read_preference_records
 from temper.data.prompts import PromptRecord, prompt_dataset, read_prompt_records
 from temper.data.sft import read_sft_records, sft_dataset
+from temper.data.sources import check_documents
 from temper.data.synthetic import _copy, _sort
 from temper.data.tokenizer import Tokenizer
 
@@ -130,6 +132,27 @@ def build_chat_loader(
         )
         dataset = preference_dataset(pairs, tokenizer, template, seq_len, **common)
     return BatchLoader(dataset, batch_size)
+
+
+def check_data(data: Data, limit: int) -> None:
+    """Raise ValueError naming the file and line unless ``data.path`` exists and its first
+    ``limit`` records parse as ``data.format``: what a run would fail on, checked cheaply
+    before it starts."""
+    if data.path is None:
+        return
+    if data.format == "text":
+        check_documents(data.path, data.text_field, limit)
+        return
+    if not Path(data.path).is_file():
+        raise FileNotFoundError(
+            f"{data.path}: no such file (data.format {data.format} reads one JSONL file)"
+        )
+    readers = {
+        "sft": read_sft_records,
+        "preference": read_preference_records,
+        "prompt": read_prompt_records,
+    }
+    readers[data.format](data.path, limit)
 
 
 def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int) -> BatchLoader:

@@ -3,11 +3,22 @@
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+"""The special tokens of tokenizer_config.json that transformers hands a chat template."""
 
 
 class Tokenizer:
@@ -23,6 +34,7 @@ class Tokenizer:
         tokenizer: tokenizers.Tokenizer,
         eos_token: str = EOS_TOKEN,
         pad_token: str | None = None,
+        special_tokens: dict[str, Any] | None = None,
     ) -> None:
         # A tokenizer.json may carry truncation or padding settings meant for inference;
         # packing needs every document whole.
@@ -31,6 +43,10 @@ class Tokenizer:
         self._tokenizer = tokenizer
         self.eos_id = self._require_id(eos_token)
         self.pad_id = None if pad_token is None else self._require_id(pad_token)
+        self.special_tokens: dict[str, Any] = {"eos_token": eos_token, "pad_token": pad_token}
+        self.special_tokens |= special_tokens or {}
+        """The variables a chat template sees, as transformers passes them: ``bos_token``,
+        ``eos_token``, ... (from tokenizer_config.json) and ``additional_special_tokens``."""
 
     def _require_id(self, token: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
@@ -88,6 +104,7 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     raw = _read_tokenizer(tokenizer_path)
     eos = _default_token(raw, EOS_TOKEN)
     pad = _default_token(raw, PAD_TOKEN)
+    special: dict[str, Any] = {}
     config_path = target / "tokenizer_config.json"
     if target.is_dir() and config_path.is_file():
         try:
@@ -96,12 +113,18 @@ def load_tokenizer(path: str | None) -> Tokenizer:
             raise ValueError(f"{config_path}: invalid JSON ({error})") from None
         eos = _config_token(config, "eos_token", config_path) or eos
         pad = _config_token(config, "pad_token", config_path) or pad
+        special = {key: _config_token(config, key, config_path) for key in SPECIAL_TOKEN_KEYS}
+        special = {key: value for key, value in special.items() if value is not None}
+        extra = config.get("additional_special_tokens") or []
+        special["additional_special_tokens"] = [
+            token.get("content") if isinstance(token, dict) else token for token in extra
+        ]
     if eos is None:
         raise ValueError(
             f"{tokenizer_path}: no EOS token: the vocabulary has no {EOS_TOKEN!r} and no "
             "tokenizer_config.json beside it names an eos_token"
         )
     try:
-        return Tokenizer(raw, eos, pad)
+        return Tokenizer(raw, eos, pad, special)
     except ValueError as error:
         raise ValueError(f"{tokenizer_path}: {error}") from None

@@ -10,6 +10,21 @@ import temper.models  # noqa: F401
 import temper.kernels.attention  # noqa: F401
 import temper.objectives  # noqa: F401  (registers the built-in objectives)
 from temper.engine.checkpointing import Stateful
-from temper.engine.engine import Engine, NonFiniteError, build_meta_model
+from temper.engine.engine import (
+    Engine,
+    NonFiniteError,
+    build_meta_model,
+    build_run_model,
+    load_run_tokenizer,
+    tokenizer_flag,
+)
 
-__all__ = ["Engine", "NonFiniteError", "Stateful", "build_meta_model"]
+__all__ = [
+    "Engine",
+    "NonFiniteError",
+    "Stateful",
+    "build_meta_model",
+    "build_run_model",
+    "load_run_tokenizer",
+    "tokenizer_flag",
+]

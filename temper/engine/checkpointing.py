@@ -29,7 +29,9 @@ from temper.checkpoint.metadata import (
     run_structure,
     structure_differences,
 )
+from temper.checkpoint.tokenizer_files import tokenizer_files
 from temper.config import Config, ConfigError
+from temper.data.chat import load_chat_template
 
 
 class Stateful(Protocol):
@@ -54,9 +56,16 @@ class TrainCheckpointer:
         )
         self.ep = config.parallelism.ep
         self.lora = dataclasses.asdict(config.lora) if config.lora.enable else None
-        # Absolute, so the converter finds them from any working directory.
-        self.tokenizer_source = _absolute(config.data.tokenizer_path or config.model.hf_path)
-        self.hf_path = _absolute(config.model.hf_path)
+        source = config.data.tokenizer_path or config.model.hf_path
+        chat = config.data.format != "text"
+        template = load_chat_template(config.data.chat_template, source) if chat else None
+        # Read once at the start: every checkpoint carries the run's tokenizer and template.
+        self.tokenizer_files = tokenizer_files(source, template)
+        self.facts = {
+            "tokenizer_source": _absolute(source),
+            "hf_path": _absolute(config.model.hf_path),
+            "data_format": config.data.format,
+        }
         self._resume_step: int | None = None
 
     def check(self, model: nn.Module) -> None:
@@ -126,7 +135,7 @@ class TrainCheckpointer:
     ) -> None:
         """Write step ``step`` (asynchronously with ``checkpoint.async_mode``)."""
         state = self._state(model, optimizer, lr_scheduler, extra)
-        self.manager.save(step, state, self.metadata(model, step, metadata))
+        self.manager.save(step, state, self.metadata(model, step, metadata), self.tokenizer_files)
 
     def wait(self) -> None:
         """Block until an asynchronous save is on disk."""
@@ -148,13 +157,14 @@ class TrainCheckpointer:
         return state
 
     def metadata(self, model: nn.Module, step: int, extra: dict[str, Any]) -> dict[str, Any]:
-        """temper.json: the model, the run's structure, and ``extra`` facts (tokens seen)."""
+        """temper.json: the model, the run's structure, where its tokenizer came from, its data
+        format, and ``extra`` facts (tokens seen)."""
         param_dtype = next(model.parameters()).dtype
         return build_metadata(
             model,
             step=step,
             structure=run_structure(ep=self.ep, lora=self.lora, param_dtype=param_dtype),
-            extra={**extra, "tokenizer": self.tokenizer_source, "hf_path": self.hf_path},
+            extra={**extra, **self.facts},
         )
 
 

@@ -14,14 +14,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from temper.config import Config, ConfigError
+from temper.checkpoint.adapter import read_peft_adapter
+from temper.config import Config, ConfigError, LoRA
 from temper.data.batch import Batch
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
 from temper.kernels.dispatch import configure_kernels
 from temper.models import build_hf_model, build_model, materialize
-from temper.models.hf import hf_named_tensors
+from temper.models.hf import hf_module_names, hf_named_tensors
 from temper.models.lora import apply_lora, init_lora
 from temper.models.protocols import PostStepHook
 from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
@@ -58,21 +60,8 @@ class Engine:
         seed_everything(config.training.seed, config.training.deterministic)
         configure_kernels(config.kernels, self.device)
 
-        self.tokenizer: Tokenizer = load_tokenizer(
-            config.data.tokenizer_path or config.model.hf_path
-        )
-        model = build_meta_model(config)
-        _check_vocab(self.tokenizer, model.tok_embeddings.num_embeddings, config)
-        if config.lora.enable:
-            lora = config.lora
-            apply_lora(
-                model,
-                lora.target_modules,
-                rank=lora.rank,
-                alpha=lora.alpha,
-                dropout=lora.dropout,
-                rslora=lora.rslora,
-            )
+        self.tokenizer: Tokenizer = load_run_tokenizer(config)
+        model = build_run_model(config, self.tokenizer)
         self.checkpointer = TrainCheckpointer(config)
         self.checkpointer.check(model)
         self.meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None
@@ -80,6 +69,8 @@ class Engine:
         with layout_invariant_init():
             self.model: nn.Module = materialize(model, self.device, config.model.hf_path)
             init_lora(self.model)
+        if config.lora.enable and config.lora.initial_adapter is not None:
+            load_initial_adapter(self.model, config.lora)
         if self.checkpointer.resume_step is None and config.checkpoint.initial_load:
             load_model_weights(self.model, config.checkpoint.initial_load)
         self.model.attn_backend = config.model.attn
@@ -207,9 +198,71 @@ def build_meta_model(config: Config) -> nn.Module:
     return build_model(config.model.name, config.model.flavor, overrides=overrides)
 
 
-def _check_vocab(tokenizer: Tokenizer, model_vocab: int, config: Config) -> None:
+def read_initial_adapter(model: nn.Module, lora: LoRA) -> dict[str, torch.Tensor]:
+    """``lora.initial_adapter``'s tensors by parameter name, checked against ``model``'s
+    adapters (on meta for the pre-flight); ConfigError naming the flag."""
+    try:
+        return read_peft_adapter(
+            model, lora.initial_adapter, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora
+        )
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"lora.initial_adapter {lora.initial_adapter}: {error}") from None
+
+
+def load_initial_adapter(model: nn.Module, lora: LoRA) -> None:
+    """Fill the (possibly sharded) adapters with a PEFT folder's: full tensors on every rank,
+    each rank keeping its shard."""
+    tensors = read_initial_adapter(model, lora)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, tensors, options=options)
+
+
+def tokenizer_flag(config: Config) -> str:
+    """The flag that names the run's tokenizer, for error messages."""
+    if config.data.tokenizer_path is not None:
+        return f"data.tokenizer_path {config.data.tokenizer_path}"
+    if config.model.hf_path is not None:
+        return f"model.hf_path {config.model.hf_path}"
+    return "the built-in tokenizer"
+
+
+def load_run_tokenizer(config: Config) -> Tokenizer:
+    """``data.tokenizer_path``'s tokenizer, else ``model.hf_path``'s, else the built-in one;
+    ConfigError naming the flag when it cannot be read."""
+    try:
+        return load_tokenizer(config.data.tokenizer_path or config.model.hf_path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{tokenizer_flag(config)}: {error}") from None
+
+
+def build_run_model(config: Config, tokenizer: Tokenizer) -> nn.Module:
+    """The run's model on meta with its LoRA adapters, refusing (ConfigError naming the
+    flag) an HF folder it cannot read, a tokenizer larger than the embedding, or LoRA
+    targets that match nothing: what the Engine builds on, and what the pre-flight checks."""
+    try:
+        model = build_meta_model(config)
+    except (OSError, ValueError) as error:
+        if isinstance(error, ConfigError) or config.model.hf_path is None:
+            raise
+        raise ConfigError(f"model.hf_path {config.model.hf_path}: {error}") from None
+    model_vocab = model.tok_embeddings.num_embeddings
     if tokenizer.vocab_size > model_vocab:
         raise ConfigError(
-            f"data.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but the "
+            f"{tokenizer_flag(config)}: the tokenizer has {tokenizer.vocab_size} tokens but the "
             f"model ({config.model.hf_path or config.model.flavor}) embeds only {model_vocab}"
         )
+    if config.lora.enable:
+        lora = config.lora
+        try:
+            apply_lora(
+                model,
+                lora.target_modules,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                rslora=lora.rslora,
+                hf_names=hf_module_names(model),
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    return model

@@ -200,11 +200,13 @@ def save_hf(
     path: str | os.PathLike[str],
     *,
     extra_config: dict[str, Any] | None = None,
+    generation_config: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
     """Write safetensors shards, config.json and generation_config.json for `model`.
 
-    `extra_config` adds fields the args do not carry (token ids, say). A sharded
+    `extra_config` adds fields the args do not carry (token ids, say); generation_config.json
+    takes config.json's token ids, then `generation_config`'s fields. A sharded
     model must be gathered first (`full_tensor`); this writes what the process holds.
     """
     adapter = adapter_of(model)
@@ -216,7 +218,7 @@ def save_hf(
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
-    }
+    } | (generation_config or {})
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
@@ -243,6 +245,17 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def _nested(key: str) -> str:
     """An HF language-model key as a vision-language checkpoint names it."""
     return MULTIMODAL_PREFIX + key.removeprefix("model.") if key.startswith("model.") else key
+
+
+def hf_module_names(model: nn.Module) -> dict[str, str]:
+    """Native name -> HF name of every module whose weight is one HF tensor (each linear
+    layer, ``layers.0.attention.wq`` -> ``model.layers.0.self_attn.q_proj``): how LoRA
+    targets and adapters are named the Hugging Face way."""
+    return {
+        rule.native.removesuffix(".weight"): rule.hf[0].removesuffix(".weight")
+        for rule in adapter_of(model).key_rules(model.args)
+        if len(rule.hf) == 1 and rule.native.endswith(".weight")
+    }
 
 
 def adapter_of(model: nn.Module) -> HFAdapter:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,41 @@ class LoRALinear(nn.Linear):
         return out + self.scale * F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)
 
 
+ALL_LINEAR = "all-linear"
+"""PEFT's shorthand: every linear layer but the output head."""
+
+
+def lora_targets(
+    model: nn.Module, patterns: Sequence[str], hf_names: Mapping[str, str] | None = None
+) -> list[str]:
+    """The linear layers that ``patterns`` name: fnmatch patterns on Temper's module names
+    (``layers.*.attention.wq``), Hugging Face module names as PEFT reads them (``q_proj``
+    matches every ``...q_proj``; ``hf_names`` maps native to HF names), or ``all-linear``.
+    A pattern that matches nothing fails, listing the names there are."""
+    hf_names = hf_names or {}
+    linear = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+
+    def matches(name: str, pattern: str) -> bool:
+        if pattern == ALL_LINEAR:
+            return name != "output"
+        hf = hf_names.get(name)
+        return fnmatch.fnmatchcase(name, pattern) or (
+            hf is not None
+            and (fnmatch.fnmatchcase(hf, pattern) or fnmatch.fnmatchcase(hf, f"*.{pattern}"))
+        )
+
+    for pattern in patterns:
+        if not any(matches(name, pattern) for name in linear):
+            native = sorted({re.sub(r"\.\d+\.", ".*.", name) for name in linear})
+            hf = sorted({hf_names[n].rpartition(".")[2] for n in linear if n in hf_names})
+            raise ValueError(
+                f"lora.target_modules {pattern!r} matches no linear layer of "
+                f"{type(model).__name__}; Hugging Face names: {', '.join(hf) or 'none'}; "
+                f"Temper names: {', '.join(native)}; or {ALL_LINEAR}"
+            )
+    return [name for name in linear if any(matches(name, p) for p in patterns)]
+
+
 def apply_lora(
     model: nn.Module,
     target_modules: Sequence[str],
@@ -63,19 +99,11 @@ def apply_lora(
     alpha: float,
     dropout: float = 0.0,
     rslora: bool = False,
+    hf_names: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """Swap every ``nn.Linear`` whose name matches a pattern for a ``LoRALinear`` and freeze
-    all other parameters; returns the adapted names. Fails if no module matches."""
-    names = [
-        name
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and any(fnmatch.fnmatchcase(name, p) for p in target_modules)
-    ]
-    if not names:
-        raise ValueError(
-            f"lora.target_modules {list(target_modules)} match no linear layer of "
-            f"{type(model).__name__}"
-        )
+    """Swap every ``nn.Linear`` that ``target_modules`` name (see ``lora_targets``) for a
+    ``LoRALinear`` and freeze all other parameters; returns the adapted names."""
+    names = lora_targets(model, target_modules, hf_names)
     for param in model.parameters():
         param.requires_grad_(False)
     for name in names:

@@ -120,8 +120,9 @@ def greedy_scores(trainer: Trainer, count: int = EVAL_EXAMPLES) -> dict[str, flo
     config = trainer.config
     template = BUILTIN_TEMPLATE
     records = task_prompts(config.training.seed, "eval", count)
+    tokenizer = trainer.engine.tokenizer
     prompts = [
-        trainer.engine.tokenizer.encode(render_chat(template, messages, add_generation_prompt=True))
+        tokenizer.encode(render_chat(template, messages, True, **tokenizer.special_tokens))
         for messages, _ in records
     ]
     answers = greedy_answers(

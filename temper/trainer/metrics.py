@@ -6,6 +6,7 @@ import json
 import resource
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
@@ -16,9 +17,16 @@ class MetricsLogger:
     """Writes each logged step to the console, `<dump>/tb` and `<dump>/metrics.jsonl`."""
 
     def __init__(
-        self, dump_folder: str | Path, *, tensorboard: bool, enabled: bool, resume_step: int = 0
+        self,
+        dump_folder: str | Path,
+        *,
+        tensorboard: bool,
+        enabled: bool,
+        resume_step: int = 0,
+        total_steps: int | None = None,
     ) -> None:
         self.enabled = enabled
+        self.total_steps = total_steps
         self._jsonl: IO[str] | None = None
         self._tb = None
         if not enabled:
@@ -41,7 +49,7 @@ class MetricsLogger:
         if self._tb is not None:
             for name, value in metrics.items():
                 self._tb.add_scalar(name, value, step)
-        print(format_line(record), file=sys.stdout, flush=True)
+        print(format_line(record, self.total_steps), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -71,11 +79,12 @@ HEADLINE_METRICS = ("reward_mean", "accuracy", "reward_accuracy", "reward_margin
 reward and sampled accuracy, DPO's reward accuracy and margin): its loss alone says little."""
 
 
-def format_line(record: dict[str, Any]) -> str:
+def format_line(record: dict[str, Any], total_steps: int | None = None) -> str:
     eta = record.get("eta_seconds", 0.0)
+    step = f"{record['step']}/{total_steps}" if total_steps else str(record["step"])
     headline = "".join(f"{k} {record[k]:.3f}  " for k in HEADLINE_METRICS if k in record)
     return (
-        f"step {record['step']:>6}  loss {record['loss']:.4f}  {headline}"
+        f"step {step:>6}  loss {record['loss']:.4f}  {headline}"
         f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
         f"tok/s {record['tokens_per_second']:,.0f}  tflops {record['tflops']:.2f}  "
         f"mfu {record['mfu']:.1f}%  mem {record['memory_gib']:.2f}GiB  "
@@ -91,8 +100,14 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+ETA_WINDOW = 20
+"""Steps the ETA's time per step is measured over: recent ones, so a slow first step
+(compilation, warm-up) or a change of speed does not skew it for the rest of the run."""
+
+
 class Throughput:
-    """Tokens/s, TFLOP/s, MFU and ETA over the steps since the last log."""
+    """Tokens/s, TFLOP/s and MFU over the steps since the last log; the ETA from the time per
+    step over about the last ``ETA_WINDOW`` steps."""
 
     def __init__(self, flops_per_token: float, peak_flops: float | None, total_steps: int) -> None:
         self.flops_per_token = flops_per_token
@@ -100,7 +115,7 @@ class Throughput:
         self.total_steps = total_steps
         self._tokens = 0
         self._start = time.perf_counter()
-        self._train_start = self._start
+        self._marks: deque[tuple[int, float]] = deque()
 
     def add_tokens(self, tokens: int) -> None:
         self._tokens += tokens
@@ -111,7 +126,13 @@ class Throughput:
         elapsed = max(now - self._start, 1e-9)
         tokens_per_second = self._tokens / elapsed
         flops = self.flops_per_token * tokens_per_second
-        per_step = (now - self._train_start) / max(step - first_step + 1, 1)
+        if not self._marks:
+            self._marks.append((first_step - 1, self._start))
+        self._marks.append((step, now))
+        while len(self._marks) > 2 and step - self._marks[1][0] >= ETA_WINDOW:
+            self._marks.popleft()
+        since_step, since = self._marks[0]
+        per_step = (now - since) / max(step - since_step, 1)
         self._tokens, self._start = 0, now
         return {
             "tokens_per_second": tokens_per_second,

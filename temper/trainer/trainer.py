@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import shlex
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from temper.checkpoint.convert import dcp_to_hf
 from temper.checkpoint.manager import checkpoint_dir
 from temper.config import Config, load_config, save_config
 from temper.data.batch import Batch
@@ -17,6 +20,15 @@ from temper.data.tasks import build_loader
 from temper.engine import Engine, NonFiniteError
 from temper.objectives import Objective, RolloutObjective, build_objective
 from temper.parallel.collectives import all_reduce_sum, combine_metrics
+from temper.trainer.console import (
+    StopRequest,
+    complete_line,
+    resolve_model_fields,
+    resumed_line,
+    startup_line,
+    stopped_line,
+    summary_line,
+)
 from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
 from temper.trainer.state import TrainState
 from temper.utils.device import Runtime, init_runtime
@@ -46,6 +58,7 @@ class Trainer:
             tensorboard=config.metrics.tensorboard,
             enabled=runtime.is_main,
             resume_step=self.state.step,
+            total_steps=config.training.steps,
         )
         self.throughput = Throughput(
             flops_per_token=engine.model.flops_per_token(config.training.seq_len),
@@ -53,34 +66,59 @@ class Trainer:
             total_steps=config.training.steps,
         )
 
-    def train(self) -> None:
-        """Run until `training.steps`; metrics every `metrics.log_freq` steps."""
+    def train(self) -> bool:
+        """Run until `training.steps`; metrics every `metrics.log_freq` steps. Returns False
+        when Ctrl-C (or SIGTERM) stopped it at a step boundary."""
         config, engine, state = self.config, self.engine, self.state
+        root, saving = engine.checkpointer.root, config.checkpoint.enable
+        if state.step >= config.training.steps:
+            self._say(complete_line(state.step, root))
+            return True
         if engine.runtime.is_main:
+            resolve_model_fields(config, engine.model)
             save_config(config, config.job.dump_folder)
-            n_params = sum(p.numel() for p in engine.model.parameters())
-            print(
-                f"temper: {config.model.name}/{config.model.flavor} ({n_params / 1e6:.1f}M "
-                f"params) on {engine.device} ({engine.dtype}), world "
-                f"{engine.runtime.world_size}, grad accumulation {self.grad_accum}, "
-                f"{config.training.steps} steps, run folder {config.job.dump_folder}",
-                flush=True,
-            )
+        world = engine.runtime.world_size
+        self._say(
+            startup_line(config, engine.model, engine.device, engine.dtype, world, self.grad_accum)
+        )
+        if self.start_step:
+            self._say(resumed_line(self.start_step, config.training.steps, root))
         batches = iter(self.loader)
         engine.model.train()
+        started, metrics = time.perf_counter(), {}
         try:
-            while state.step < config.training.steps:
-                micro_batches, rollout_metrics = self._next_batches(batches)
-                metrics = self.train_step(micro_batches) | rollout_metrics
-                last = state.step == config.training.steps
-                if self._checkpoint_due(last):
-                    engine.save(
-                        state.step, state, metadata={"tokens_seen": state.tokens_seen}, wait=last
-                    )
-                if state.step % config.metrics.log_freq == 0 or last:
-                    self._log(metrics)
+            with StopRequest() as stop:
+                while state.step < config.training.steps:
+                    micro_batches, rollout_metrics = self._next_batches(batches)
+                    metrics = self.train_step(micro_batches) | rollout_metrics
+                    last = state.step == config.training.steps
+                    self._save_and_log(metrics, last)
+                    if not last and stop.agreed(engine.device):
+                        engine.checkpointer.wait()
+                        self._say(stopped_line(state.step, root, saving))
+                        return False
         finally:
             self.metrics.close()
+        loss = float(metrics["loss"]) if "loss" in metrics else None
+        steps, seconds = state.step - self.start_step, time.perf_counter() - started
+        self._say(summary_line(steps, seconds, state.tokens_seen, loss, root, saving))
+        return True
+
+    def _save_and_log(self, metrics: StepMetrics, last: bool) -> None:
+        state = self.state
+        if self._checkpoint_due(last):
+            metadata = {"tokens_seen": state.tokens_seen}
+            export = self.config.checkpoint.hf_export
+            export = export == "every" or (export == "final" and last)
+            self.engine.save(state.step, state, metadata=metadata, wait=last or export)
+            if export and self.engine.runtime.is_main:
+                self._say(f"temper: exported {export_hf(self.config, state.step)}")
+        if state.step % self.config.metrics.log_freq == 0 or last:
+            self._log(metrics)
+
+    def _say(self, line: str) -> None:
+        if self.engine.runtime.is_main:
+            print(line, flush=True)
 
     def train_step(self, micro_batches: list[Batch]) -> StepMetrics:
         """One optimizer step over accumulated micro-batches (on any device; with sequence
@@ -173,6 +211,16 @@ class Trainer:
         key = f"{self.config.training.seed}:{self.state.step}:{index}".encode()
         seed = int.from_bytes(hashlib.sha256(key).digest()[:7], "little")
         return torch.Generator(self.engine.device).manual_seed(seed)
+
+
+def export_hf(config: Config, step: int) -> Path:
+    """``dcp-to-hf`` of checkpoint ``step`` into ``<job.dump_folder>/hf/step-<step>``."""
+    output = Path(config.job.dump_folder) / "hf" / f"step-{step}"
+    root = Path(config.job.dump_folder) / config.checkpoint.folder
+    if output.exists():  # a step trained again after a resume: its new weights replace it
+        shutil.rmtree(output)
+    dcp_to_hf(checkpoint_dir(root, step), output)
+    return output
 
 
 def train_initial_checkpoint(config: Config, runtime: Runtime) -> str:

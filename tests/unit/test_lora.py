@@ -7,12 +7,14 @@ import torch
 from torch import nn
 
 from temper.models import build_model, materialize
+from temper.models.hf import hf_module_names
 from temper.models.lora import (
     LoRALinear,
     adapters_disabled,
     apply_lora,
     init_lora,
     lora_modules,
+    lora_targets,
     merge_lora,
 )
 
@@ -62,8 +64,42 @@ def test_lora_scale() -> None:
 
 
 def test_no_matching_module_fails() -> None:
-    with pytest.raises(ValueError, match="match no linear layer"):
+    with pytest.raises(ValueError, match="'nothing.*' matches no linear layer"):
         apply_lora(build_model("llama3", "debug"), ["nothing.*"], rank=2, alpha=2.0)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "deepseek_v3"])
+def test_hugging_face_names_pick_the_same_layers(family: str) -> None:
+    """PEFT-style names (a module's last HF name parts) select what Temper's names select."""
+    native = {
+        "llama3": ["layers.*.attention.wq", "layers.*.attention.wv", "layers.*.feed_forward.w1"],
+        "qwen3_moe": ["layers.*.attention.wq", "layers.*.attention.wv"],
+        "deepseek_v3": ["layers.*.attention.wq_b", "layers.*.attention.wkv_b"],
+    }[family]
+    hf = {
+        "llama3": ["q_proj", "self_attn.v_proj", "model.layers.*.mlp.gate_proj"],
+        "qwen3_moe": ["q_proj", "v_proj"],
+        "deepseek_v3": ["q_b_proj", "kv_b_proj"],
+    }[family]
+    model = build_model(family, "debug")
+    names = hf_module_names(model)
+    expected = lora_targets(model, native)
+    assert expected and lora_targets(model, hf, names) == expected
+    every = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "output"]
+    assert lora_targets(model, ["all-linear"], names) == every
+
+
+def test_an_unmatched_pattern_lists_the_valid_names() -> None:
+    model = build_model("llama3", "debug")
+    with pytest.raises(ValueError) as error:
+        apply_lora(model, ["q_proj", "v_prj"], rank=2, alpha=2.0, hf_names=hf_module_names(model))
+    assert str(error.value) == (
+        "lora.target_modules 'v_prj' matches no linear layer of Transformer; Hugging Face "
+        "names: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; "
+        "Temper names: layers.*.attention.wk, layers.*.attention.wo, layers.*.attention.wq, "
+        "layers.*.attention.wv, layers.*.feed_forward.w1, layers.*.feed_forward.w2, "
+        "layers.*.feed_forward.w3, output; or all-linear"
+    )
 
 
 def test_export_merges_the_adapters(tmp_path) -> None:
@@ -88,3 +124,19 @@ def test_export_merges_the_adapters(tmp_path) -> None:
     assert not any(isinstance(m, LoRALinear) for m in exported.modules())
     ids = torch.randint(0, 2048, (2, 16))
     torch.testing.assert_close(exported(ids), adapted(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_flops_count_no_weight_gradient_for_frozen_weights() -> None:
+    """LoRA on wq and wv of the debug Llama (dim 256, 4 layers, 8 heads of 32, 4 KV heads,
+    FFN 768, vocab 2048, untied): 6 FLOPs per token for each adapter weight, 4 for each
+    frozen one (forward and input gradient, no weight gradient), the input embedding none."""
+    model = build_model("llama3", "debug")
+    apply_lora(model, ["layers.*.attention.wq", "layers.*.attention.wv"], rank=4, alpha=8.0)
+    adapters = 4 * ((4 * 256 + 256 * 4) + (4 * 256 + 128 * 4))
+    block = 256 * 256 + 2 * 256 * 128 + 256 * 256 + 3 * 256 * 768 + 2 * 256
+    frozen = 4 * block + 256 + 2048 * 256  # blocks, final norm, head
+    attention = 12 * 4 * 8 * 32 * 64
+    assert model.flops_per_token(64) == 6 * adapters + 4 * frozen + attention
+    for param in model.parameters():
+        param.requires_grad_(True)  # full fine-tuning: torchtitan's 6 per weight
+    assert model.flops_per_token(64) == 6 * (adapters + frozen) + attention

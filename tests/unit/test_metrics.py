@@ -53,6 +53,18 @@ def test_throughput_arithmetic(monkeypatch) -> None:
     assert rates["eta_seconds"] == pytest.approx(8.0)  # 1 s/step x 8 steps left
 
 
+def test_eta_uses_the_recent_steps(monkeypatch) -> None:
+    """10 slow steps (1 s) then 30 fast ones (0.1 s): after them the ETA counts 0.1 s per
+    step, where the average since the start (0.325 s) would overstate it threefold."""
+    times = [100.0] + [100.0 + s for s in range(1, 11)] + [110.0 + 0.1 * s for s in range(1, 31)]
+    clock = iter(times)
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
+    throughput = Throughput(flops_per_token=1.0, peak_flops=None, total_steps=100)
+    for step in range(1, 41):
+        rates = throughput.measure(step)
+    assert rates["eta_seconds"] == pytest.approx(0.1 * 60)
+
+
 TRAINER_ROW = {
     "loss": 2.5,
     "grad_norm": 0.5,
@@ -89,3 +101,10 @@ def test_disabled_logger_writes_nothing(tmp_path) -> None:
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert not (tmp_path / "run").exists()
+
+
+def test_console_line_shows_the_step_of_the_total(tmp_path, capsys) -> None:
+    logger = MetricsLogger(tmp_path, tensorboard=False, enabled=True, total_steps=60)
+    logger.log(12, dict(TRAINER_ROW))
+    logger.close()
+    assert capsys.readouterr().out.startswith("step  12/60  loss 2.5000")

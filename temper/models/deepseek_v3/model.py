@@ -152,14 +152,15 @@ class DeepseekV3Transformer(MoEDecoder):
         update_expert_bias(routers, self.args.expert_bias_update_rate)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token at ``seq_len``: 6 per active weight
-        plus MLA's scores, 6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len
-        (QK^T over qk_nope + qk_rope dims, AV over v dims; full, not causal-halved, as
-        torchtitan counts). MTP depths count as layers (their weights are among the active
-        ones), and each applies the shared head once more."""
+        """Training FLOPs (forward + backward) per token at ``seq_len``: the weights' (6 per
+        active weight that trains, 4 per frozen one) plus MLA's scores, 6 * n_layers *
+        n_heads * (qk_head_dim + v_head_dim) * seq_len (QK^T over qk_nope + qk_rope dims, AV
+        over v dims; full, not causal-halved, as torchtitan counts). MTP depths count as
+        layers (their weights are among the active ones), and each applies the shared head
+        once more."""
         args = self.args
         head_dims = args.qk_head_dim + args.v_head_dim
         layers = args.n_layers + args.mtp_depth
         attention = 6.0 * layers * args.n_heads * head_dims * seq_len
         drafts_head = args.mtp_depth * self.output.weight.numel()
-        return 6.0 * (self.active_params() + drafts_head) + attention
+        return self.weight_flops_per_token() + 6.0 * drafts_head + attention

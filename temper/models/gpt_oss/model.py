@@ -50,10 +50,10 @@ class GptOssTransformer(MoEDecoder):
         )
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6 per active weight plus 12 * n_heads * head_dim per key each layer's queries see:
-        ``seq_len`` keys in a full layer (full, not causal-halved, scores, as the shared count
-        takes them), ``min(seq_len, window)`` in a sliding one."""
+        """The weights' (``weight_flops_per_token``) plus 12 * n_heads * head_dim per key each
+        layer's queries see: ``seq_len`` keys in a full layer (full, not causal-halved, scores,
+        as the shared count takes them), ``min(seq_len, window)`` in a sliding one."""
         args = self.args
         windows = (args.window(i) for i in range(args.n_layers))
         keys = sum(seq_len if w is None else min(seq_len, w) for w in windows)
-        return 6.0 * self.active_params() + 12.0 * args.n_heads * args.head_dim * keys
+        return self.weight_flops_per_token() + 12.0 * args.n_heads * args.head_dim * keys

@@ -224,18 +224,30 @@ class Decoder(nn.Module):
         h = self._hidden_states(input_ids, position_ids, docs, cache, shard)
         return self.output(h if cache is None else h[:, -1:])
 
-    def active_params(self) -> float:
+    def active_params(self, trainable: bool | None = None) -> float:
         """Weights a token is multiplied by: all but the input embedding, a lookup (a tied
-        table counts once, as the head)."""
-        n = sum(p.numel() for p in self.parameters())
-        if not self.args.tie_embeddings:
-            n -= self.tok_embeddings.weight.numel()
+        table counts once, as the head). ``trainable`` True or False counts only the weights
+        that do or do not train."""
+        counted = [
+            p for p in self.parameters() if trainable is None or p.requires_grad == trainable
+        ]
+        n = sum(p.numel() for p in counted)
+        embedding = self.tok_embeddings.weight
+        if not self.args.tie_embeddings and any(p is embedding for p in counted):
+            n -= embedding.numel()
         return n
 
+    def weight_flops_per_token(self) -> float:
+        """Matmul FLOPs of the weights per trained token: 2 forward and 2 for the input's
+        gradient per active weight, and 2 more for the weight's own gradient only where it
+        trains (a frozen base under LoRA costs 4, its adapters 6)."""
+        return 6.0 * self.active_params(trainable=True) + 4.0 * self.active_params(trainable=False)
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token at ``seq_len``, torchtitan's count:
-        6 per active weight (2 forward, 4 backward), plus 12 * n_layers * n_heads * head_dim
-        * seq_len for the QK^T and AV matmuls (full, not causal-halved, scores)."""
+        """Training FLOPs (forward + backward) per token at ``seq_len``: the weights'
+        (``weight_flops_per_token``: torchtitan's 6 per weight when all train), plus 12 *
+        n_layers * n_heads * head_dim * seq_len for the QK^T and AV matmuls (full, not
+        causal-halved, scores)."""
         args = self.args
         attention = 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
-        return 6.0 * self.active_params() + attention
+        return self.weight_flops_per_token() + attention

@@ -154,10 +154,11 @@ class HybridDecoder(Decoder):
         return mrope_cos_sin(self.inv_freq, position_ids, sections)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6 per active weight, the full-attention layers' scores (as the dense count) and
-        each Gated DeltaNet layer's recurrence (``linear_attention_flops_per_token``)."""
+        """The weights' (``weight_flops_per_token``), the full-attention layers' scores (as the
+        dense count) and each Gated DeltaNet layer's recurrence
+        (``linear_attention_flops_per_token``)."""
         args = self.args
-        flops = 6.0 * self.active_params()
+        flops = self.weight_flops_per_token()
         for layer in self.layers:
             mixer = layer.attention
             if isinstance(mixer, GatedDeltaNet):

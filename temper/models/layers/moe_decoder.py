@@ -30,11 +30,16 @@ class MoEDecoder(Decoder):
     def load_imbalance(self) -> torch.Tensor:
         return load_imbalance(self.routing())
 
-    def active_params(self) -> float:
-        """As the dense count, but each token multiplies only top_k of n_experts routed expert
-        weights (shared experts count in full)."""
+    def active_params(self, trainable: bool | None = None) -> float:
+        """As the dense count (of the trainable or frozen weights only, when ``trainable`` is
+        given), but each token multiplies only top_k of n_experts routed expert weights
+        (shared experts count in full)."""
         args = self.args
         experts = sum(
-            p.numel() for m in self.modules() if isinstance(m, MoE) for p in m.experts.parameters()
+            p.numel()
+            for m in self.modules()
+            if isinstance(m, MoE)
+            for p in m.experts.parameters()
+            if trainable is None or p.requires_grad == trainable
         )
-        return super().active_params() - experts * (1 - args.top_k / args.n_experts)
+        return super().active_params(trainable) - experts * (1 - args.top_k / args.n_experts)

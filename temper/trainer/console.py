@@ -1,0 +1,118 @@
+"""What a run says on the console besides its step lines: the model it built, where it
+resumed, why it stopped, and a summary; and Ctrl-C as a request to stop at a step boundary."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+import torch
+from torch import nn
+
+from temper.checkpoint.manager import checkpoint_dir, complete_steps
+from temper.config import Config
+from temper.models.registry import spec_of
+from temper.parallel.collectives import all_reduce_sum
+
+
+def resolve_model_fields(config: Config, model: nn.Module) -> None:
+    """Make ``model.name``/``model.flavor`` say what was built: with ``model.hf_path`` the
+    folder's family and the folder's name (the recipe's defaults were ignored)."""
+    if config.model.hf_path is not None:
+        config.model.name = spec_of(model).name
+        config.model.flavor = Path(config.model.hf_path).resolve().name
+
+
+def startup_line(
+    config: Config,
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    world: int,
+    grad_accum: int,
+) -> str:
+    """The model actually built (family, size or HF folder, total and trainable
+    parameters) and how it runs."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    source = f" from {config.model.hf_path}" if config.model.hf_path else ""
+    return (
+        f"temper: {config.model.name}/{config.model.flavor}{source}, "
+        f"{_count(total)} params ({_count(trainable)} trainable) on {device} "
+        f"({str(dtype).removeprefix('torch.')}), world {world}, grad accumulation {grad_accum}, "
+        f"{config.training.steps} steps, run folder {config.job.dump_folder}"
+    )
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    steps = complete_steps(root)
+    return checkpoint_dir(root, steps[-1]) if steps else None
+
+
+def resumed_line(step: int, total: int, root: Path) -> str:
+    return f"temper: resumed from step {step}/{total} ({checkpoint_dir(root, step)})"
+
+
+def complete_line(step: int, root: Path) -> str:
+    return (
+        f"temper: the run is already complete at step {step} ({checkpoint_dir(root, step)}); "
+        "nothing to do (a new job.dump_folder or more training.steps trains again)"
+    )
+
+
+def stopped_line(step: int, root: Path, checkpointing: bool) -> str:
+    latest = latest_checkpoint(root) if checkpointing else None
+    if latest is not None:
+        where = f"latest checkpoint {latest}; rerun the same command to resume"
+    elif checkpointing:
+        where = "no checkpoint saved yet (checkpoint.interval); a rerun starts again"
+    else:
+        where = "no checkpoint saved (--checkpoint.enable saves them)"
+    return f"temper: stopped at step {step} on Ctrl-C; {where}"
+
+
+def summary_line(
+    steps: int, seconds: float, tokens: int, loss: float | None, root: Path, checkpointing: bool
+) -> str:
+    latest = latest_checkpoint(root) if checkpointing else None
+    saved = f"; checkpoint {latest}" if latest is not None else ""
+    last = f", last loss {loss:.4f}" if loss is not None else ""
+    spent = time.strftime("%H:%M:%S", time.gmtime(seconds))
+    return f"temper: done: {steps} steps in {spent}, {tokens:,} tokens{last}{saved}"
+
+
+class StopRequest:
+    """Inside the block, the first Ctrl-C (SIGINT) or SIGTERM only asks the loop to stop at
+    the next step boundary; a second Ctrl-C interrupts at once (KeyboardInterrupt)."""
+
+    def __init__(self) -> None:
+        self._requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self._requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        """Whether any rank was asked to stop: every rank stops at the same step."""
+        flag = torch.tensor(float(self._requested), device=device)
+        return bool(all_reduce_sum(flag) > 0)

@@ -1,0 +1,61 @@
+"""Pre-flight: every input a run would fail on that needs no process group, checked once
+before any rank starts (``python -m temper.train --check_only``, which ``run_train.sh``
+runs before torchrun). A failure is one ConfigError naming the flag, file and line."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from temper.config import Config, ConfigError
+from temper.data.chat import load_chat_template
+from temper.data.tasks import check_data
+from temper.engine import build_run_model, load_run_tokenizer
+from temper.engine.checkpointing import TrainCheckpointer
+from temper.engine.engine import read_initial_adapter
+
+PREFLIGHT_RECORDS = 100
+"""Records of each data file parsed before launch: the format's mistakes show in the first
+lines, and a large corpus is not read twice."""
+
+
+def preflight(config: Config) -> None:
+    """Raise ConfigError on the first bad input: an unwritable ``job.dump_folder``, data files
+    that are missing or whose first records do not parse, a missing chat template, a
+    tokenizer larger than the model's vocabulary, LoRA targets that match nothing (on the
+    meta model), a checkpoint to resume or ``initial_load`` of another model."""
+    check_writable(config.job.dump_folder)
+    try:
+        check_data(config.data, PREFLIGHT_RECORDS)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"data.path {config.data.path}: {error}") from None
+    tokenizer = load_run_tokenizer(config)
+    if config.data.format != "text":
+        try:
+            load_chat_template(
+                config.data.chat_template, config.data.tokenizer_path or config.model.hf_path
+            )
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"data.chat_template: {error}") from None
+    model = build_run_model(config, tokenizer)
+    if config.lora.enable and config.lora.initial_adapter is not None:
+        read_initial_adapter(model, config.lora)
+    try:
+        TrainCheckpointer(config).check(model)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"checkpoint: {error}") from None
+
+
+def check_writable(folder: str) -> None:
+    """``folder`` exists (created if needed) and a file can be written in it."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"job.dump_folder {folder}: not writable ({error.strerror or error})"
+        ) from None

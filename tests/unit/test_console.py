@@ -1,0 +1,98 @@
+"""The console of a run: the model it built, Ctrl-C at a step boundary naming the latest
+checkpoint, a rerun that says where it resumed, a finished run that says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from temper.train import main
+from temper.trainer.trainer import Trainer
+
+TINY = [
+    "--training.steps", "8",
+    "--training.seq_len", "16",
+    "--training.local_batch_size", "2",
+    "--checkpoint.enable",
+    "--checkpoint.interval", "3",
+    "--metrics.no-tensorboard",
+]  # fmt: skip
+
+
+def stdout_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("temper:")]
+
+
+def test_ctrl_c_stops_at_a_step_boundary_and_the_rerun_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = [*TINY, "--job.dump_folder", str(tmp_path)]
+    ckpt = tmp_path / "checkpoints"
+    step = Trainer.train_step
+
+    def interrupted_at_5(self: Trainer, micro_batches):  # noqa: ANN001, ANN202
+        metrics = step(self, micro_batches)
+        if self.state.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the run
+        return metrics
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_at_5)
+    assert main(args) == 130
+    lines = stdout_lines(capsys)
+    assert lines[-1] == (
+        f"temper: stopped at step 5 on Ctrl-C; latest checkpoint {ckpt / 'step-3'}; "
+        "rerun the same command to resume"
+    )
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]  # step 5 finished, no step 6
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert main(args) == 0
+    lines = stdout_lines(capsys)
+    assert lines[1] == f"temper: resumed from step 3/8 ({ckpt / 'step-3'})"
+    assert lines[-1].startswith("temper: done: 5 steps in ")
+    assert lines[-1].endswith(f"; checkpoint {ckpt / 'step-8'}")
+
+    assert main(args) == 0
+    assert stdout_lines(capsys) == [
+        f"temper: the run is already complete at step 8 ({ckpt / 'step-8'}); nothing to do "
+        "(a new job.dump_folder or more training.steps trains again)"
+    ]
+
+
+def test_the_startup_line_names_the_hf_model_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hf = tmp_path / "Qwen3-tiny"
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=768,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    reference = Qwen3ForCausalLM(config)
+    reference.save_pretrained(hf)
+    shutil.copy(resources.files("temper.assets") / "tokenizer.json", hf / "tokenizer.json")
+    lora = ["--lora.enable", "--lora.rank", "2", "--lora.target_modules", "layers.*.attention.wq"]
+    run = tmp_path / "run"
+    args = ["--model.hf_path", str(hf), *lora, "--job.dump_folder", str(run)]
+    assert main([*TINY, "--training.steps", "1", *args]) == 0
+    total = sum(p.numel() for p in reference.parameters())  # tied: the table counts once
+    adapters = 2 * (2 * 32 + 32 * 2)  # two layers of A [2, 32], B [32, 2]
+    first = stdout_lines(capsys)[0]
+    expected = f"temper: qwen3/Qwen3-tiny from {hf}, {(total + adapters) / 1e3:.1f}K params "
+    assert first.startswith(expected + f"({adapters} trainable) on cpu (float32)")
+    saved = json.loads((run / "config.json").read_text())["model"]
+    assert (saved["name"], saved["flavor"]) == ("qwen3", "Qwen3-tiny")
