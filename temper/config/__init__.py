@@ -1,6 +1,7 @@
 """Config tree, recipe loading and typed CLI overrides."""
 
 from temper.config.config import (
+    DEFAULT_LORA_TARGETS,
     ActivationCheckpoint,
     Checkpoint,
     Compile,
@@ -27,6 +28,7 @@ from temper.config.config import (
 from temper.config.loading import load_config, save_config
 
 __all__ = [
+    "DEFAULT_LORA_TARGETS",
     "ActivationCheckpoint",
     "Checkpoint",
     "Compile",

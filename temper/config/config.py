@@ -233,6 +233,12 @@ def register_rule(rule: Callable[[Config, int], None]) -> Callable[[Config, int]
     return rule
 
 
+DEFAULT_LORA_TARGETS = ("layers.*.attention.w*", "layers.*.feed_forward.w*")
+"""Every attention and dense-MLP projection. A family may lack one kind (every MLP an MoE,
+whose experts are stacked weights, not linear layers): these two may then match nothing,
+where a pattern a user gives must match."""
+
+
 @dataclass
 class LoRA:
     enable: bool = False
@@ -244,9 +250,7 @@ class LoRA:
     """Dropout on the adapters' input."""
     rslora: bool = False
     """Rank-stabilized scale alpha / sqrt(rank)."""
-    target_modules: list[str] = field(
-        default_factory=lambda: ["layers.*.attention.w*", "layers.*.feed_forward.w*"]
-    )
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     """Linear layers to adapt: fnmatch patterns on Temper's module names, Hugging Face module
     names as PEFT reads them (q_proj, v_proj, gate_proj, ...), or all-linear."""
     initial_adapter: str | None = None

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from temper.config import DEFAULT_LORA_TARGETS
+
 
 class LoRALinear(nn.Linear):
     """``x W^T + b + scale * dropout(x) A^T B^T``, with ``A`` [rank, in] and ``B`` [out, rank]."""
@@ -66,7 +68,8 @@ def lora_targets(
     """The linear layers that ``patterns`` name: fnmatch patterns on Temper's module names
     (``layers.*.attention.wq``), Hugging Face module names as PEFT reads them (``q_proj``
     matches every ``...q_proj``; ``hf_names`` maps native to HF names), or ``all-linear``.
-    A pattern that matches nothing fails, listing the names there are."""
+    A pattern that matches nothing fails, listing the names there are (a built-in default
+    only when nothing at all matches)."""
     hf_names = hf_names or {}
     linear = [name for name, module in model.named_modules() if type(module) is nn.Linear]
 
@@ -79,7 +82,10 @@ def lora_targets(
             and (fnmatch.fnmatchcase(hf, pattern) or fnmatch.fnmatchcase(hf, f"*.{pattern}"))
         )
 
+    chosen = [name for name in linear if any(matches(name, p) for p in patterns)]
     for pattern in patterns:
+        if pattern in DEFAULT_LORA_TARGETS and chosen:
+            continue  # a default that this family lacks (see DEFAULT_LORA_TARGETS)
         if not any(matches(name, pattern) for name in linear):
             native = sorted({re.sub(r"\.\d+\.", ".*.", name) for name in linear})
             hf = sorted({hf_names[n].rpartition(".")[2] for n in linear if n in hf_names})
@@ -88,7 +94,7 @@ def lora_targets(
                 f"{type(model).__name__}; Hugging Face names: {', '.join(hf) or 'none'}; "
                 f"Temper names: {', '.join(native)}; or {ALL_LINEAR}"
             )
-    return [name for name in linear if any(matches(name, p) for p in patterns)]
+    return chosen
 
 
 def apply_lora(
