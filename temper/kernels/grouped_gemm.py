@@ -49,18 +49,13 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
 
 def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm``; its backward fails on a non-contiguous (e.g. expanded) gradient,
-    so the output hands it a contiguous one."""
-    return _ContiguousGrad.apply(torch_grouped_mm(x, w, offs=offsets))
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+    so a hook hands it a contiguous one. A hook, not an identity autograd Function: that
+    returns a view, and FSDP2 (expert FSDP wraps the experts) warns that an in-place op on a
+    module's view output would drop its pre-backward hook."""
+    out = torch_grouped_mm(x, w, offs=offsets)
+    if out.requires_grad:
+        out.register_hook(lambda grad: grad.contiguous())
+    return out
 
 
 def _fast_path_fits(x: torch.Tensor, w: torch.Tensor) -> bool:

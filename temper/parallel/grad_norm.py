@@ -6,8 +6,10 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from temper.utils.compat import foreach_mul_, foreach_norm
 
@@ -18,10 +20,11 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
 
     Gradients are grouped by mesh and placements (plain tensors form one group). A group's
     sum of squares over local shards is partial along its sharded mesh dims and equal along
-    replicated ones, so one reduction per group makes it whole; groups on different meshes
-    (FSDP and expert weights) then add up, and clipping scales the local shards, which no
-    DTensor op could do across meshes. Sums run in float64: in float32 the summation order
-    alone moves the norm of even a small model by ~1e-6, more than layouts' gradients differ.
+    replicated ones, so one reduction per group makes it whole (``_sum_over_shards``);
+    groups on different meshes (FSDP and expert weights) then add up, and clipping scales
+    the local shards, which no DTensor op could do across meshes. Sums run in float64: in
+    float32 the summation order alone moves the norm of even a small model by ~1e-6, more
+    than layouts' gradients differ.
     """
     groups: dict[tuple | None, list[torch.Tensor]] = {}
     for p in parameters:
@@ -34,11 +37,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         square = torch.stack(foreach_norm(local, 2, dtype=torch.float64)).square().sum()
         if key is not None:
-            mesh, placements = key
-            # Not `is_shard()`: FSDP over an expert-parallel shard places `_StridedShard`,
-            # which is no `Shard`.
-            partial = [Replicate() if p.is_replicate() else Partial() for p in placements]
-            square = DTensor.from_local(square, mesh, partial).full_tensor()
+            square = _sum_over_shards(square, *key)
         squares.append(square)
         shards += local
     if not squares:
@@ -47,3 +46,17 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     if math.isfinite(max_norm):
         foreach_mul_(shards, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+def _sum_over_shards(square: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> torch.Tensor:
+    """A sum of squares over local shards made whole: summed over the ranks that hold other
+    shards, not over those that hold copies. Every Temper mesh spans the world, so one
+    all-reduce over it and a division by the number of copies (replicated mesh dims) does it;
+    DTensor's redistribute would run one all-reduce per sharded dim."""
+    if not dist.is_initialized() or mesh.size() != dist.get_world_size():
+        raise ValueError(f"gradient norm over a mesh that is not the whole world: {mesh}")
+    # Copies, not `not is_shard()`: FSDP over an expert-parallel shard places `_StridedShard`.
+    copies = math.prod(mesh.size(d) for d, p in enumerate(placements) if p.is_replicate())
+    square = square.clone()
+    dist.all_reduce(square)
+    return square / copies
