@@ -41,10 +41,11 @@ def main(argv: Sequence[str] = ()) -> list[float]:
     config, tokenizer, model = engine.config, engine.tokenizer, engine.model
     stops = stop_token_ids(tokenizer, BUILTIN_TEMPLATE)
     per_rank = PROMPTS // engine.dims.dp
+    prompts = task_prompts(config.training.seed, "train", config.training.steps * PROMPTS)
     losses = []
     for step in range(config.training.steps):
         first = step * PROMPTS + engine.dims.dp_rank * per_rank
-        records = task_prompts(config.training.seed, "train", first + per_rank)[first:]
+        records = prompts[first : first + per_rank]
         rows, completions, rewards = [], [], []
         model.eval()
         for index, (messages, answer) in enumerate(records, start=first):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from temper.config import Config, ConfigError, ObjectiveConfig, load_config
+from temper.models import build_model
 from temper.objectives import (
     CausalLM,
     CausalLMConfig,
@@ -112,6 +113,18 @@ def test_a_section_of_another_objective_is_refused() -> None:
 
 
 def test_z_loss_weight_reaches_the_loss() -> None:
+    """The section's weight adds weight * sum of logsumexp(logits)^2 over the labelled tokens
+    to the loss the built objective computes, and logs its mean as z_loss."""
     config = Config(objective=CausalLMConfig(z_loss_weight=0.25))
     objective = build_objective(config, build_reference=lambda: pytest.fail("no reference"))
-    assert isinstance(objective, CausalLM) and objective.z_loss_weight == 0.25
+    plain = build_objective(Config(), build_reference=lambda: pytest.fail("no reference"))
+    torch.manual_seed(0)
+    model = build_model("llama3", "debug", device="cpu")
+    ids = torch.randint(0, 600, (2, 9))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    with torch.no_grad():
+        with_z, count, metrics = objective.loss(model, batch)
+        without, _, _ = plain.loss(model, batch)
+        lse = model(batch["input_ids"]).float().logsumexp(-1)
+    torch.testing.assert_close(with_z - without, 0.25 * lse.pow(2).sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(metrics["z_loss"], lse.pow(2).sum() / count, rtol=1e-5, atol=0)
