@@ -7,7 +7,10 @@ either the model folder's or the
 built-in one for the built-in tokenizer. To know which tokens an assistant wrote, the
 conversation is rendered turn by turn: the text up to an assistant turn with the generation
 prompt, then through that turn; the difference is the assistant's. Each piece is tokenized on
-its own, so a token never straddles a prompt/answer boundary.
+its own, so a token never straddles a prompt/answer boundary. A template that marks the
+assistant's text itself with ``{% generation %}...{% endgeneration %}`` (what transformers'
+``return_assistant_tokens_mask`` reads) is taken at its word instead: the whole conversation is
+tokenized once and the tokens inside the marked spans train.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from temper.data.tokenizer import Tokenizer
@@ -41,6 +47,26 @@ class RecordError(ValueError):
     """A data record is malformed; the message names the file, the line and the problem."""
 
 
+SPAN_START, SPAN_END = "\ue000", "\ue001"
+"""Private-use characters that bracket a ``{% generation %}`` block in the rendered text until
+the spans are read off; no tokenizer ever sees them."""
+
+
+class GenerationSpans(Extension):
+    """``{% generation %}...{% endgeneration %}``: the block renders as itself, bracketed by
+    ``SPAN_START`` / ``SPAN_END`` so that ``render_spans`` can find the assistant's text."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_bracket"), [], [], body).set_lineno(lineno)
+
+    def _bracket(self, caller: Any) -> str:
+        return SPAN_START + caller() + SPAN_END
+
+
 def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -48,7 +74,9 @@ def _raise(message: str) -> None:
 @cache
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", GenerationSpans],
     )
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
     env.globals["raise_exception"] = _raise
@@ -61,10 +89,30 @@ def render_chat(
 ) -> str:
     """The conversation as text, like ``apply_chat_template(..., tokenize=False)``; ``extra``
     are more template variables (a tokenizer's ``special_tokens``)."""
+    return render_spans(template, messages, add_generation_prompt, **extra)[0]
+
+
+def render_spans(
+    template: str, messages: Sequence[Message], add_generation_prompt: bool = False, **extra: Any
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the character spans [start, end) of its ``{% generation %}``
+    blocks (none when the template has no such block)."""
+    for message in messages:
+        if SPAN_START in message["content"] or SPAN_END in message["content"]:
+            raise ValueError("a message holds a private-use character U+E000/U+E001")
     variables = {"tools": None, "documents": None, **extra}
-    return _compile(template).render(
+    marked = _compile(template).render(
         messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
     )
+    text, spans, start = "", [], 0
+    for char in marked:
+        if char == SPAN_START:
+            start = len(text)
+        elif char == SPAN_END:
+            spans.append((start, len(text)))
+        else:
+            text += char
+    return text, spans
 
 
 def load_chat_template(path: str | None, tokenizer_folder: str | None) -> str:
@@ -102,6 +150,14 @@ def tokenize_chat(
     Raises ValueError when the template does not render a conversation as the
     concatenation of its turns (the assistant spans could not be found).
     """
+    full, spans = render_spans(template, messages, **tokenizer.special_tokens)
+    if spans:
+        ids, offsets = tokenizer.encode_with_offsets(full)
+        trains = [
+            train_on_prompt or any(s < stop and start < e for s, e in spans)
+            for start, stop in offsets
+        ]
+        return ids, trains
     pieces: list[tuple[str, bool]] = []
     done = ""
     for i, message in enumerate(messages):
@@ -116,7 +172,6 @@ def tokenize_chat(
             )
         pieces += [(prompt[len(done) :], train_on_prompt), (through[len(prompt) :], True)]
         done = through
-    full = render_chat(template, messages, **tokenizer.special_tokens)
     if not full.startswith(done):
         raise ValueError("the chat template renders the whole conversation differently")
     pieces.append((full[len(done) :], train_on_prompt))

@@ -91,3 +91,50 @@ def test_ids_equal_apply_chat_template(tmp_path: Path, family: str) -> None:
     text = render_chat(template, prompt, True, **ours.special_tokens)
     expected = theirs.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
     assert ours.encode(text) == list(expected)
+
+
+# The same families with the assistant's text marked as transformers' templates mark it.
+TAGGED = {
+    "llama3": LLAMA3.replace(
+        "{{ message['content'] | trim }}{{ '<|eot_id|>' }}",
+        "{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] | trim }}{{ '<|eot_id|>' }}{% endgeneration %}"
+        "{% else %}{{ message['content'] | trim }}{{ '<|eot_id|>' }}{% endif %}",
+    ),
+    "qwen": QWEN.replace(
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}",
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+        "{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}",
+    ),
+    "deepseek": DEEPSEEK.replace(
+        "{{ 'Assistant: ' + message['content'] + eos_token }}",
+        "{{ 'Assistant: ' }}{% generation %}{{ message['content'] + eos_token }}"
+        "{% endgeneration %}",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_assistant_masks_equal_transformers(tmp_path: Path, family: str) -> None:
+    """On a template with ``{% generation %}`` blocks, the ids and the trained tokens equal
+    ``apply_chat_template(..., return_assistant_tokens_mask=True)``; and they equal what the
+    turn-by-turn method finds on the same template without the tags."""
+    folder = family_folder(tmp_path / family, family)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = TAGGED[family]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    assert "{% generation %}" in load_chat_template(None, str(folder))
+    ids, trains = tokenize_chat(ours, TAGGED[family], CONVERSATION)
+    expected = theirs.apply_chat_template(
+        CONVERSATION, return_assistant_tokens_mask=True, return_dict=True
+    )
+    assert ids == list(expected["input_ids"])
+    assert trains == [bool(m) for m in expected["assistant_masks"]]
+    assert any(trains) and not all(trains)
+    assert (ids, trains) == tokenize_chat(ours, FAMILIES[family][0], CONVERSATION)
+    assert tokenize_chat(ours, TAGGED[family], CONVERSATION, train_on_prompt=True)[1] == [
+        True
+    ] * len(ids)
