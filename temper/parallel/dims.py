@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from temper.config import Config, ConfigError, Parallelism, Training, register_rule
+from temper.utils.compat import flatten_mesh
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ class ParallelDims:
                 (self.dp_replicate, self.efsdp, self.ep),
                 mesh_dim_names=("edp", "efsdp", "ep"),
             )
+            # Expert weights shard over efsdp x ep; with the pair flattened, DTensor reduces
+            # a value that is partial over both (init's whole-tensor reads) in one collective.
+            flatten_mesh(expert["efsdp", "ep"], "efsdp_ep")
         return Meshes(world=world, hsdp=fsdp, expert=expert)
 
 

@@ -139,3 +139,35 @@ def test_meshes_group_the_ranks_of_each_dimension() -> None:
     assert all(g["fsdp_mesh_dims"] == ("dp_replicate", "fsdp") for g in hsdp)
     assert [g["data_rank"] for g in hsdp] == [0, 1, 2, 3]
     assert all("ep" not in g for g in hsdp)
+
+
+def _expert_init_draw(seed: int) -> tuple[torch.Tensor, list[str]]:
+    import logging
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from temper.parallel.sharded_init import layout_invariant_init
+
+    dist.init_process_group("gloo")
+    d = ParallelDims.from_config(Parallelism(ep=2), dist.get_world_size())
+    mesh = d.build_meshes("cpu").expert["efsdp", "ep"]
+    weight = distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0), Shard(0)])
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("torch.distributed.tensor._redistribute").addHandler(handler)
+    torch.manual_seed(seed)
+    with layout_invariant_init():
+        torch.nn.init.trunc_normal_(weight, std=2.0, a=-1.0, b=1.0)
+    return weight.full_tensor(), messages
+
+
+def test_expert_init_is_one_process_draw_in_one_collective_per_read() -> None:
+    """trunc_normal_ on expert weights sharded over efsdp x ep draws one process's numbers,
+    and its whole-tensor reads run as one collective: DTensor warns of none run per mesh dim."""
+    torch.manual_seed(3)
+    expected = torch.nn.init.trunc_normal_(torch.zeros(8, 6), std=2.0, a=-1.0, b=1.0)
+    for weight, messages in run_on_ranks(_expert_init_draw, 2, 3):
+        torch.testing.assert_close(weight, expected, rtol=0, atol=0)
+        assert not [m for m in messages if "sequential" in m], messages
