@@ -23,9 +23,11 @@ if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
   exec "$PYTHON" "${recipe[@]}" "$@"
 fi
 
+# torchrun's own default, set here so that it does not print a banner saying it chose it.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 launch=(--standalone)
 if [ "$NNODES" -gt 1 ]; then
   endpoint="${MASTER_ADDR:?NNODES > 1 needs MASTER_ADDR, the address of one of the nodes}"
   launch=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$endpoint:${MASTER_PORT:-29500}")
 fi
-exec "$PYTHON" -m torch.distributed.run "${launch[@]}" --nproc_per_node="$NGPU" "${recipe[@]}" "$@"
+exec "$PYTHON" -m temper.launch "${launch[@]}" --nproc_per_node="$NGPU" "${recipe[@]}" "$@"

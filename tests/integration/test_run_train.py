@@ -133,3 +133,34 @@ def test_two_processes_train_like_one(tmp_path: Path) -> None:
     for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_stops_with_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) with two ranks: the run stops at a
+    step boundary and says so; torchrun's agent adds no traceback or shutdown notices."""
+    import signal
+
+    env = {**os.environ, "TEMPER_PYTHON": sys.executable, "NGPU": "2"}
+    args = ["--training.steps", "2000", "--job.dump_folder", str(tmp_path / "run")]
+    run = subprocess.Popen(
+        [str(ROOT / "run_train.sh"), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert run.stdout is not None
+    seen = []
+    for line in run.stdout:
+        seen.append(line)
+        if line.startswith("step "):
+            os.killpg(run.pid, signal.SIGINT)
+            break
+    output = "".join(seen) + run.stdout.read()
+    assert run.wait(timeout=120) == 128 + signal.SIGINT, output
+    assert re.search(r"temper: stopped at step \d+ on Ctrl-C", output), output
+    for noise in ("Traceback", "SignalException", "death signal", "OMP_NUM_THREADS"):
+        assert noise not in output, output
