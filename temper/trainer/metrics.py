@@ -7,6 +7,8 @@ import resource
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
@@ -109,23 +111,30 @@ class Throughput:
     """Tokens/s, TFLOP/s and MFU over the steps since the last log; the ETA from the time per
     step over about the last ``ETA_WINDOW`` steps."""
 
-    def __init__(self, flops_per_token: float, peak_flops: float | None, total_steps: int) -> None:
-        self.flops_per_token = flops_per_token
+    def __init__(
+        self, flops_per_token: Callable[[int], float], peak_flops: float | None, total_steps: int
+    ) -> None:
+        self.flops_per_token = cache(flops_per_token)
+        """Training FLOPs per token of a row of the given width (the model's own count)."""
         self.peak_flops = peak_flops
         self.total_steps = total_steps
         self._tokens = 0
+        self._flops = 0.0
         self._start = time.perf_counter()
         self._marks: deque[tuple[int, float]] = deque()
 
-    def add_tokens(self, tokens: int) -> None:
-        self._tokens += tokens
+    def add_rows(self, rows: int, width: int) -> None:
+        """``rows`` rows of ``width`` positions ran: every position counts, padding included,
+        since the model computed it, and attention's share is that of rows this wide."""
+        self._tokens += rows * width
+        self._flops += rows * width * self.flops_per_token(width)
 
     def measure(self, step: int, first_step: int = 1) -> dict[str, float]:
         """Rates since the previous call; `step` is the last finished step."""
         now = time.perf_counter()
         elapsed = max(now - self._start, 1e-9)
         tokens_per_second = self._tokens / elapsed
-        flops = self.flops_per_token * tokens_per_second
+        flops = self._flops / elapsed
         if not self._marks:
             self._marks.append((first_step - 1, self._start))
         self._marks.append((step, now))
@@ -133,7 +142,7 @@ class Throughput:
             self._marks.popleft()
         since_step, since = self._marks[0]
         per_step = (now - since) / max(step - since_step, 1)
-        self._tokens, self._start = 0, now
+        self._tokens, self._flops, self._start = 0, 0.0, now
         return {
             "tokens_per_second": tokens_per_second,
             "tflops": flops / 1e12,

@@ -61,7 +61,7 @@ class Trainer:
             total_steps=config.training.steps,
         )
         self.throughput = Throughput(
-            flops_per_token=engine.model.flops_per_token(config.training.seq_len),
+            flops_per_token=engine.model.flops_per_token,
             peak_flops=peak_flops(engine.device, engine.dtype),
             total_steps=config.training.steps,
         )
@@ -150,9 +150,10 @@ class Trainer:
         except NonFiniteError as error:
             raise NonFiniteError(f"step {self.state.step}: {error}") from None
         # Every sequence the model ran: a DPO pair's chosen and rejected rows both count.
-        self.throughput.add_tokens(
-            sum(v.numel() for mb in micro_batches for k, v in mb.items() if k.endswith("input_ids"))
-        )
+        for micro_batch in micro_batches:
+            for key, ids in micro_batch.items():
+                if key.endswith("input_ids"):
+                    self.throughput.add_rows(ids.shape[0], ids.shape[-1])
         stats = {f"data_{name}": torch.tensor(float(v)) for name, v in self.loader.stats.items()}
         return {"loss": loss, **metrics, **stats}
 

@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from temper.models.qwen3.args import Qwen3Args
+from temper.models.qwen3.model import Qwen3Transformer
 from temper.trainer import metrics as metrics_module
 from temper.trainer.metrics import MetricsLogger, Throughput, format_line
 from temper.utils import peak_flops as peak_module
@@ -44,13 +46,32 @@ def test_real_probe_measures_a_positive_rate() -> None:
 def test_throughput_arithmetic(monkeypatch) -> None:
     clock = iter([100.0, 102.0])
     monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
-    throughput = Throughput(flops_per_token=1e9, peak_flops=4e12, total_steps=10)
-    throughput.add_tokens(4000)
+    throughput = Throughput(flops_per_token=lambda width: 1e9, peak_flops=4e12, total_steps=10)
+    throughput.add_rows(4, 1000)
     rates = throughput.measure(step=2)
     assert rates["tokens_per_second"] == pytest.approx(2000.0)
     assert rates["tflops"] == pytest.approx(2.0)  # 1e9 flops/token x 2000 tokens/s
     assert rates["mfu"] == pytest.approx(50.0)
     assert rates["eta_seconds"] == pytest.approx(8.0)  # 1 s/step x 8 steps left
+
+
+def test_flops_count_padded_rows_at_their_width(monkeypatch) -> None:
+    """Two micro-batches: 2 rows of 8 positions and 3 of 4 (right-padded, the padding is
+    computed): 28 positions, each at the FLOPs per token of its row's width."""
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
+    args = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64,
+                     ffn_hidden_dim=48)  # fmt: skip
+    model = Qwen3Transformer(args)
+    throughput = Throughput(model.flops_per_token, peak_flops=1e6, total_steps=1)
+    throughput.add_rows(2, 8)
+    throughput.add_rows(3, 4)
+    rates = throughput.measure(step=1)
+    weights = sum(p.numel() for p in model.parameters()) - 64 * 32  # the lookup table is free
+    by_hand = 16 * (6 * weights + 12 * 2 * 4 * 8 * 8) + 12 * (6 * weights + 12 * 2 * 4 * 8 * 4)
+    assert rates["tokens_per_second"] == 28
+    assert rates["tflops"] * 1e12 == pytest.approx(by_hand, rel=1e-12)
+    assert rates["mfu"] == pytest.approx(100 * by_hand / 1e6, rel=1e-12)
 
 
 def test_eta_uses_the_recent_steps(monkeypatch) -> None:
@@ -59,7 +80,7 @@ def test_eta_uses_the_recent_steps(monkeypatch) -> None:
     times = [100.0] + [100.0 + s for s in range(1, 11)] + [110.0 + 0.1 * s for s in range(1, 31)]
     clock = iter(times)
     monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
-    throughput = Throughput(flops_per_token=1.0, peak_flops=None, total_steps=100)
+    throughput = Throughput(flops_per_token=lambda width: 1.0, peak_flops=None, total_steps=100)
     for step in range(1, 41):
         rates = throughput.measure(step)
     assert rates["eta_seconds"] == pytest.approx(0.1 * 60)
