@@ -1,9 +1,9 @@
-"""torchrun, quiet on Ctrl-C: the workers stop at a step boundary and each says so.
+"""torchrun, quiet on Ctrl-C and SIGTERM: the workers stop at a step boundary and say so.
 
-A terminal's Ctrl-C reaches torchrun's agent as well as every worker. The agent forwards the
-signal, waits for the workers, then raises its ``SignalException`` with a traceback and logs
-the shutdown at warning level: noise after the run's own "stopped at step N" line. This entry
-point runs torchrun unchanged and, for a stop the user asked for, leaves only the exit code.
+A terminal's Ctrl-C (or a scheduler's SIGTERM) reaches torchrun's agent. The agent forwards
+the signal, waits for the workers, then raises its ``SignalException`` with a traceback and
+logs the shutdown at warning level: noise after the run's own "stopped at step N" line. This
+entry point runs torchrun unchanged and, for such a stop, leaves only the exit code.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ import sys
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main as torchrun
 
-_SHUTDOWN_NOTICES = ("death signal, shutting down workers", "closing signal SIGINT")
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+_SHUTDOWN_NOTICES = (
+    "death signal, shutting down workers",
+    *(f"closing signal {stop.name}" for stop in _STOPS),
+)
 
 
 def _not_a_shutdown_notice(record: logging.LogRecord) -> bool:
@@ -28,9 +32,9 @@ def main(argv: list[str]) -> int:
     try:
         torchrun(argv)
     except SignalException as stop:
-        if stop.sigval != signal.SIGINT:
+        if stop.sigval not in _STOPS:
             raise
-        return 128 + signal.SIGINT
+        return 128 + stop.sigval
     return 0
 
 

@@ -69,7 +69,7 @@ def complete_line(step: int, root: Path) -> str:
     )
 
 
-def stopped_line(step: int, root: Path, checkpointing: bool) -> str:
+def stopped_line(step: int, root: Path, checkpointing: bool, cause: str = "Ctrl-C") -> str:
     latest = latest_checkpoint(root) if checkpointing else None
     if latest is not None:
         where = f"latest checkpoint {latest}; rerun the same command to resume"
@@ -77,7 +77,7 @@ def stopped_line(step: int, root: Path, checkpointing: bool) -> str:
         where = "no checkpoint saved yet (checkpoint.interval); a rerun starts again"
     else:
         where = "no checkpoint saved (--checkpoint.enable saves them)"
-    return f"temper: stopped at step {step} on Ctrl-C; {where}"
+    return f"temper: stopped at step {step} on {cause}; {where}"
 
 
 def summary_line(
@@ -97,6 +97,8 @@ class StopRequest:
     def __init__(self) -> None:
         self._requested = False
         self._previous: dict[int, object] = {}
+        self.cause = "a stop on another rank"
+        """What asked this rank to stop: ``Ctrl-C``, ``SIGTERM`` (a scheduler, ``timeout``)."""
 
     def __enter__(self) -> StopRequest:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -111,6 +113,7 @@ class StopRequest:
         if self._requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self._requested = True
+        self.cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
     def agreed(self, device: torch.device) -> bool:
         """Whether any rank was asked to stop: every rank stops at the same step."""

@@ -95,7 +95,7 @@ class Trainer:
                     self._save_and_log(metrics, last)
                     if not last and stop.agreed(engine.device):
                         engine.checkpointer.wait()
-                        self._say(stopped_line(state.step, root, saving))
+                        self._say(stopped_line(state.step, root, saving, stop.cause))
                         return False
         finally:
             self.metrics.close()

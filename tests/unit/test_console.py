@@ -96,3 +96,20 @@ def test_the_startup_line_names_the_hf_model_built(
     assert first.startswith(expected + f"({adapters} trainable) on cpu (float32)")
     saved = json.loads((run / "config.json").read_text())["model"]
     assert (saved["name"], saved["flavor"]) == ("qwen3", "Qwen3-tiny")
+
+
+def test_stop_names_what_asked_for_it(tmp_path) -> None:
+    """SIGTERM (a scheduler, ``timeout``) stops like Ctrl-C, and the line says which."""
+    from temper.trainer.console import StopRequest, stopped_line
+
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.cause == "SIGTERM"
+    line = stopped_line(7, tmp_path, checkpointing=False, cause=stop.cause)
+    assert (
+        line
+        == "temper: stopped at step 7 on SIGTERM; no checkpoint saved (--checkpoint.enable saves them)"
+    )
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+    assert stop.cause == "Ctrl-C"
