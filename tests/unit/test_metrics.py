@@ -129,19 +129,3 @@ def test_console_line_shows_the_step_of_the_total(tmp_path, capsys) -> None:
     logger.log(12, dict(TRAINER_ROW))
     logger.close()
     assert capsys.readouterr().out.startswith("step  12/60  loss 2.5000")
-
-
-def test_flops_count_frozen_weights_at_four_per_weight() -> None:
-    """Under LoRA on q/v (rank 2) the frozen base costs 4 FLOPs per weight per token (no
-    weight gradient) and the adapters 6; a frozen embedding table costs nothing."""
-    from temper.models.lora import apply_lora
-
-    args = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64,
-                     ffn_hidden_dim=48)  # fmt: skip
-    model = Qwen3Transformer(args)
-    base = sum(p.numel() for p in model.parameters()) - 64 * 32
-    apply_lora(model, ["layers.*.attention.wq", "layers.*.attention.wv"], rank=2, alpha=4.0)
-    # Per layer: wq is 32 -> 32 (A 2x32, B 32x2), wv is 32 -> 16 (A 2x32, B 16x2).
-    adapters = 2 * (2 * 32 + 32 * 2 + 2 * 32 + 16 * 2)
-    attention = 12 * 2 * 4 * 8 * 16
-    assert model.flops_per_token(16) == 6 * adapters + 4 * base + attention
