@@ -195,11 +195,12 @@ class Trainer:
             offload = self.config.optimizer.offload_during_rollout
             if offload:
                 engine.offload_optimizer()
-            try:
-                results = [
-                    objective.prepare(engine.model, mb, self._sampler(first + j))
-                    for j, mb in enumerate(prompts)
-                ]
+            try:  # in the loss's precision, so the first update's ratio is exactly 1
+                with engine.autocast():
+                    results = [
+                        objective.prepare(engine.model, mb, self._sampler(first + j))
+                        for j, mb in enumerate(prompts)
+                    ]
             finally:
                 if offload:
                     engine.restore_optimizer()
