@@ -1,0 +1,89 @@
+"""GRPO rollouts across ranks against one process: the same rows, log-probabilities and losses
+when ranks' rows differ in width (FSDP2) and when ranks stop decoding at different steps
+(expert parallelism, whose every forward is an all-to-all)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from harness import run_on_ranks
+
+from temper.config import Config
+from temper.recipes.posttrain import grpo_debug
+
+SHORT = [("copy: a", "a"), ("copy: b", "b")]
+LONG = [("sort: 9 8 7 6 5 4 3 2 1 0 9 8 7 6", "x"), ("sort: 5 4 3 2 1 0 9 8 7 6 5 4", "y")]
+ENTROPY_BUDGET_ROWS = 48
+"""The entropy pass's logits budget in rows of this many tokens: several chunks per rollout."""
+
+
+def _config(folder: Path, model: str = "llama3") -> Config:
+    config = grpo_debug()
+    config.job.dump_folder = str(folder)
+    config.model.name = model
+    config.checkpoint.initial_recipe = None
+    config.lora.enable = False
+    config.metrics.tensorboard = False
+    config.training.seq_len = 56
+    config.training.local_batch_size = 1
+    config.training.global_batch_size = 2
+    config.objective.group_size = 2
+    config.objective.max_new_tokens = 12
+    return config
+
+
+def _rollouts_on_rank(config: Config) -> list[dict[str, Any]]:
+    """Rank r rolls out prompt set r; one process rolls out both, one after the other."""
+    import torch.distributed as dist
+
+    import temper.objectives.rollout as rollout
+    from temper.data.chat import BUILTIN_TEMPLATE
+    from temper.data.prompts import prompt_dataset
+    from temper.engine import Engine
+    from temper.objectives import build_objective
+
+    engine = Engine(config)
+    vocab = engine.model.args.vocab_size
+    rollout.LOGITS_BUDGET = ENTROPY_BUDGET_ROWS * vocab
+    objective = build_objective(config, engine.build_reference)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sets = [SHORT, LONG] if world == 1 else [[SHORT, LONG][engine.runtime.rank]]
+    results = []
+    for index, records in enumerate(sets):
+        rank = index if world == 1 else engine.runtime.rank
+        messages = [([{"role": "user", "content": p}], a) for p, a in records]
+        stream = iter(prompt_dataset(messages, engine.tokenizer, BUILTIN_TEMPLATE, width=40))
+        rows = [next(stream) for _ in messages]  # the stream repeats its records forever
+        prompts = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+        generator = torch.Generator().manual_seed(rank)
+        with engine.autocast():
+            batch, metrics = objective.prepare(engine.model, prompts, generator)
+        width = batch["input_ids"].shape[1]
+        own_step = max(1, rollout.LOGITS_BUDGET // (width * vocab))
+        chunks = math.ceil(batch["input_ids"].shape[0] / own_step)
+        results.append({"batch": batch, "metrics": metrics, "own_chunks": chunks})
+    return results
+
+
+def test_unequal_row_widths_on_two_fsdp_ranks_give_one_process_rollouts(tmp_path: Path) -> None:
+    """Before the fix each rank sized its no-grad chunks from its own widest row and ran them
+    outside the gathered-weights region: rank 1 all-gathered for more forwards than rank 0
+    and the run hung."""
+    single = run_on_ranks(_rollouts_on_rank, 1, _config(tmp_path / "single"))[0]
+    fsdp = run_on_ranks(_rollouts_on_rank, 2, _config(tmp_path / "fsdp"), timeout=120)
+    fsdp = [rank[0] for rank in fsdp]
+    # The case the test is for: each rank alone would have run a different number of chunks.
+    assert single[0]["own_chunks"] != single[1]["own_chunks"]
+    assert max(r["own_chunks"] for r in single) > 1
+    for got, want in zip(fsdp, single, strict=True):
+        for key in ("input_ids", "labels", "advantages"):
+            assert torch.equal(got["batch"][key], want["batch"][key]), key
+        torch.testing.assert_close(
+            got["batch"]["old_log_probs"], want["batch"]["old_log_probs"], rtol=1e-5, atol=1e-6
+        )
+        for name, value in want["metrics"].items():
+            assert got["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
