@@ -234,6 +234,10 @@ class GRPO:
         batch = rollout.batch | {"advantages": advantages.to(rollout.batch["input_ids"].device)}
         return batch, rollout.metrics
 
+    def empty_rollout(self, prompts: int, width: int) -> Batch:
+        rows = prompts * self.group_size
+        return self.sampler.empty_rollout(rows, width) | {"advantages": torch.zeros(rows)}
+
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         labels = batch["labels"]
         completion = labels != IGNORE_INDEX

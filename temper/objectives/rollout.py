@@ -130,6 +130,14 @@ class RolloutSampler:
         }
         return Rollout(batch, rewards, metrics)
 
+    def empty_rollout(self, rows: int, width: int) -> Batch:
+        """Zeros shaped like a rollout's batch of ``rows`` rows ``width`` wide."""
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        batch = {"input_ids": ids, "labels": ids.clone(), "old_log_probs": torch.zeros(rows, width)}
+        if self.with_reference:
+            batch["ref_log_probs"] = torch.zeros(rows, width)
+        return batch
+
     def _score(
         self, prompts: list[str], completions: list[str], answers: list[str]
     ) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from temper.recipes.posttrain import grpo_debug
 
 SHORT = [("copy: a", "a"), ("copy: b", "b")]
 LONG = [("sort: 9 8 7 6 5 4 3 2 1 0 9 8 7 6", "x"), ("sort: 5 4 3 2 1 0 9 8 7 6 5 4", "y")]
+TIMINGS = ("tokens_per_second", "tflops", "mfu", "eta_seconds", "memory_gib")
 ENTROPY_BUDGET_ROWS = 48
 """The entropy pass's logits budget in rows of this many tokens: several chunks per rollout."""
 
@@ -87,3 +88,48 @@ def test_unequal_row_widths_on_two_fsdp_ranks_give_one_process_rollouts(tmp_path
         )
         for name, value in want["metrics"].items():
             assert got["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def _train_rows(configs: list[Config]) -> list[dict[str, float]] | None:
+    """Train each config in turn (the later ones resume the earlier ones' checkpoints);
+    rank 0's metrics rows of the last folder."""
+    import json
+
+    from temper.trainer import Trainer
+
+    for config in configs:
+        trainer = Trainer(config)
+        trainer.train()
+    if not trainer.engine.runtime.is_main:
+        return None
+    path = Path(configs[-1].job.dump_folder) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _resume_config(folder: Path, steps: int) -> Config:
+    config = _config(folder)
+    config.lora.enable = True  # the reference is the policy with its adapters off
+    config.training.steps = steps
+    config.checkpoint.enable = True
+    config.checkpoint.interval = 1
+    config.objective.kl_coef = 0.1
+    config.objective.updates_per_rollout = 2
+    return config
+
+
+def test_grpo_resumed_between_two_updates_of_a_rollout_equals_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    """Two FSDP2 ranks (each with its own rollout rows) stop after step 1, the first of the
+    rollout's two updates, and resume: steps 2 and 3 log what the uninterrupted run logs, to
+    the bit. Before the fix step 2 drew a new rollout from the next prompts."""
+    whole = run_on_ranks(_train_rows, 2, [_resume_config(tmp_path / "whole", 3)])[0]
+    folder = tmp_path / "resumed"
+    configs = [_resume_config(folder, 1), _resume_config(folder, 3)]
+    resumed = run_on_ranks(_train_rows, 2, configs)[0]
+    by_step = {row["step"]: row for row in resumed}
+    for row in whole[1:]:
+        got = by_step[row["step"]]
+        for name, value in row.items():
+            if name not in TIMINGS:
+                assert got[name] == value, (row["step"], name)
