@@ -109,16 +109,13 @@ class GRPOConfig(ObjectiveConfig):
     data_formats: ClassVar[tuple[str, ...]] = ("prompt",)
 
     def validate(self, config: Config) -> None:
-        """Rollouts fit the rows, groups can differ, every reward exists; SP and EP are
-        refused: decoding runs each rank on its own prompts, with no collective between
-        tokens."""
-        for degree in ("sp", "ep"):
-            if getattr(config.parallelism, degree) != 1:
-                raise ConfigError(
-                    f"parallelism.{degree} must be 1 with objective.name 'grpo': rollouts "
-                    "decode each rank's prompts alone, without the per-token collectives it "
-                    "needs"
-                )
+        """Rollouts fit the rows, groups can differ, every reward exists; SP is refused:
+        decoding runs each rank on its own prompts, without SP's per-token collectives."""
+        if config.parallelism.sp != 1:
+            raise ConfigError(
+                "parallelism.sp must be 1 with objective.name 'grpo': rollouts decode each "
+                "rank's prompts alone, without the per-token collectives it needs"
+            )
         if self.group_size < 2:
             raise ConfigError(
                 "objective.group_size must be >= 2 (advantages compare a prompt's "

@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 import torch
 from harness import run_on_ranks
+from training import assert_same_metrics
 
 from temper.config import Config
+from temper.objectives import register_reward
 from temper.recipes.posttrain import grpo_debug
 
 SHORT = [("copy: a", "a"), ("copy: b", "b")]
@@ -20,6 +22,12 @@ LONG = [("sort: 9 8 7 6 5 4 3 2 1 0 9 8 7 6", "x"), ("sort: 5 4 3 2 1 0 9 8 7 6 
 TIMINGS = ("tokens_per_second", "tflops", "mfu", "eta_seconds", "memory_gib")
 ENTROPY_BUDGET_ROWS = 48
 """The entropy pass's logits budget in rows of this many tokens: several chunks per rollout."""
+
+
+@register_reward("test_brevity")
+def brevity(prompt: str, completion: str, answer: str) -> float:
+    """A reward that a random model earns unevenly once rows stop at random: shorter is better."""
+    return 1.0 / (1.0 + len(completion))
 
 
 def _config(folder: Path, model: str = "llama3") -> Config:
@@ -133,3 +141,67 @@ def test_grpo_resumed_between_two_updates_of_a_rollout_equals_the_uninterrupted_
         for name, value in row.items():
             if name not in TIMINGS:
                 assert got[name] == value, (row["step"], name)
+
+
+def _train_recording(config: Config, stop_share: int) -> dict[str, Any]:
+    """Train ``config``, every ``stop_share``-th token id a stop token so rows (and ranks)
+    finish decoding at different steps; this rank's rollouts, and rank 0's metrics."""
+    import json
+
+    from temper.trainer import Trainer
+
+    trainer = Trainer(config)
+    objective = trainer.objective
+    vocab = trainer.engine.model.args.vocab_size
+    objective.sampler.stop_tokens = set(range(1, vocab, stop_share))
+    rollouts, prepare = [], objective.prepare
+
+    def recording(model: torch.nn.Module, prompts: Any, generator: torch.Generator) -> Any:
+        batch, metrics = prepare(model, prompts, generator)
+        rollouts.append({k: v.clone() for k, v in batch.items()})
+        return batch, metrics
+
+    objective.prepare = recording
+    trainer.train()
+    path = Path(config.job.dump_folder) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {"rollouts": rollouts, "rows": rows if trainer.engine.runtime.is_main else None}
+
+
+def _moe_config(folder: Path, ep: int) -> Config:
+    config = _config(folder, model="qwen3_moe")
+    config.parallelism.ep = ep
+    config.training.steps = 3
+    config.optimizer.lr = 1e-3
+    config.objective.kl_coef = 0.1  # a frozen reference, expert-parallel like the policy
+    config.objective.updates_per_rollout = 2
+    config.objective.rewards = ["test_brevity"]
+    return config
+
+
+def test_grpo_under_expert_parallelism_decodes_in_lockstep_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-MoE at EP 2 on two ranks against one process accumulating both ranks' prompts:
+    the rollouts equal token for token and every step's metrics within 1e-5, although the
+    ranks stop decoding at different steps (each token's forward is an all-to-all between
+    them: without lockstep decoding the rank that finishes first leaves the other waiting)."""
+    single = run_on_ranks(_train_recording, 1, _moe_config(tmp_path / "single", 1), 8)[0]
+    ep = run_on_ranks(_train_recording, 2, _moe_config(tmp_path / "ep", 2), 8, timeout=180)
+    # One process rolls out micro-batch j as data rank j does.
+    for step in range(2):
+        lengths = []
+        for rank in range(2):
+            got, want = ep[rank]["rollouts"][step], single["rollouts"][2 * step + rank]
+            assert torch.equal(got["input_ids"], want["input_ids"])
+            assert torch.equal(got["labels"], want["labels"])
+            for key in ("old_log_probs", "ref_log_probs", "advantages"):
+                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+            lengths.append((want["labels"] != -100).sum(1).max().item())
+        assert lengths[0] != lengths[1]  # the ranks stopped at different steps
+    rows, reference = ep[0]["rows"], single["rows"]
+    assert all(row["grad_norm"] > 0 for row in reference)  # rewards differed within groups
+    assert_same_metrics(rows, reference)
+    for row, ref in zip(rows, reference, strict=True):
+        for name in ("reward_mean", "response_length", "entropy", "clip_fraction", "kl"):
+            assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), name
