@@ -29,11 +29,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, check_range
-from temper.data.batch import IGNORE_INDEX, Batch
+from temper.data.batch import IGNORE_INDEX, SEQUENCE_SHARD, Batch
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.generation.sampling import check_sampling
-from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.causal_lm import documents, label_log_probs
 from temper.objectives.registry import (
     Metrics,
     Objective,
@@ -109,13 +109,7 @@ class GRPOConfig(ObjectiveConfig):
     data_formats: ClassVar[tuple[str, ...]] = ("prompt",)
 
     def validate(self, config: Config) -> None:
-        """Rollouts fit the rows, groups can differ, every reward exists; SP is refused:
-        decoding runs each rank on its own prompts, without SP's per-token collectives."""
-        if config.parallelism.sp != 1:
-            raise ConfigError(
-                "parallelism.sp must be 1 with objective.name 'grpo': rollouts decode each "
-                "rank's prompts alone, without the per-token collectives it needs"
-            )
+        """Rollouts fit the rows, groups can differ, every reward exists."""
         if self.group_size < 2:
             raise ConfigError(
                 "objective.group_size must be >= 2 (advantages compare a prompt's "
@@ -239,7 +233,13 @@ class GRPO:
         labels = batch["labels"]
         completion = labels != IGNORE_INDEX
         log_probs = label_log_probs(
-            model, batch["input_ids"], labels, temperature=self.loss_temperature
+            model,
+            batch["input_ids"],
+            labels,
+            batch.get("position_ids"),
+            documents(batch),
+            temperature=self.loss_temperature,
+            shard=batch.get(SEQUENCE_SHARD),
         )
         per_token, clipped = clipped_token_loss(
             log_probs, batch["old_log_probs"], batch["advantages"], self.clip_eps

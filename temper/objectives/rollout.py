@@ -3,7 +3,9 @@ scored by the rewards, and the per-token log-probabilities the loss compares aga
 
 Everything that runs the policy (decoding, the old log-probabilities, the entropy, the
 reference's log-probabilities with LoRA's adapters off) runs in one ``gathered_weights``
-region: under FSDP2 each unit is all-gathered once for the whole rollout. The caller runs
+region: under FSDP2 each unit is all-gathered once for the whole rollout. Under sequence
+parallelism every rank of an SP group rolls out the same prompts with the same sampler and
+runs whole sequences (``whole_sequences``); training then slices the rows. The caller runs
 the rollout in the precision context its loss runs in (``Engine.autocast``), and the old
 log-probabilities come from the loss's own function on the same rows
 (``label_log_probs``), so the first update's importance ratio is exactly 1.
@@ -32,6 +34,7 @@ from temper.generation import gathered_weights, generate
 from temper.objectives.causal_lm import label_log_probs
 from temper.objectives.registry import ReferenceMode
 from temper.objectives.rewards import Reward, exact_match
+from temper.parallel.ulysses import whole_sequences
 
 LOGITS_BUDGET = 2**28
 """fp32 logits elements per no-grad forward chunk of the entropy pass (1 GiB)."""
@@ -91,7 +94,7 @@ class RolloutSampler:
         rows = [row for row in rows for _ in range(self.group_size)]
         was_training = model.training
         model.eval()
-        with gathered_weights(model):
+        with gathered_weights(model), whole_sequences(model):
             out = generate(
                 model,
                 rows,
@@ -164,9 +167,10 @@ class RolloutSampler:
         """The reference's per-token log-probs: the frozen copy, or the policy with its
         adapters off."""
         if self.reference is not None:
-            return label_log_probs(
-                self.reference, input_ids, labels, temperature=self.loss_temperature
-            )
+            with whole_sequences(self.reference):
+                return label_log_probs(
+                    self.reference, input_ids, labels, temperature=self.loss_temperature
+                )
         with self.reference_mode(model):
             return label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
 

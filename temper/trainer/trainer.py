@@ -209,7 +209,11 @@ class Trainer:
         if not isinstance(objective, RolloutObjective):
             return [next(batches) for _ in range(self.grad_accum)], {}
         if state.rollout is None or state.step % objective.updates_per_rollout == 0:
-            prompts = [engine.prepare_batch(next(batches)) for _ in range(self.grad_accum)]
+            # Whole prompts on every SP rank: a rollout decodes whole sequences.
+            prompts = [
+                {k: v.to(engine.device) for k, v in next(batches).items()}
+                for _ in range(self.grad_accum)
+            ]
             first = engine.dims.dp_rank * self.grad_accum
             offload = self.config.optimizer.offload_during_rollout
             if offload:
