@@ -125,17 +125,19 @@ def _resume_config(folder: Path, steps: int) -> Config:
     return config
 
 
+@pytest.mark.slow
 def test_grpo_resumed_between_two_updates_of_a_rollout_equals_the_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
     """Two FSDP2 ranks (each with its own rollout rows) stop after step 1, the first of the
-    rollout's two updates, and resume: steps 2 and 3 log what the uninterrupted run logs, to
-    the bit. Before the fix step 2 drew a new rollout from the next prompts."""
-    whole = run_on_ranks(_train_rows, 2, [_resume_config(tmp_path / "whole", 3)])[0]
+    rollout's two updates, and resume: step 2 logs what the uninterrupted run logs, to the
+    bit. Before the fix it drew a new rollout from the next prompts."""
+    whole = run_on_ranks(_train_rows, 2, [_resume_config(tmp_path / "whole", 2)])[0]
     folder = tmp_path / "resumed"
-    configs = [_resume_config(folder, 1), _resume_config(folder, 3)]
+    configs = [_resume_config(folder, 1), _resume_config(folder, 2)]
     resumed = run_on_ranks(_train_rows, 2, configs)[0]
     by_step = {row["step"]: row for row in resumed}
+    assert len(whole) == 2
     for row in whole[1:]:
         got = by_step[row["step"]]
         for name, value in row.items():
@@ -171,7 +173,7 @@ def _train_recording(config: Config, stop_share: int) -> dict[str, Any]:
 def _moe_config(folder: Path, ep: int) -> Config:
     config = _config(folder, model="qwen3_moe")
     config.parallelism.ep = ep
-    config.training.steps = 3
+    config.training.steps = 2  # one rollout, its on-policy and its off-policy update
     config.optimizer.lr = 1e-4
     config.objective.kl_coef = 0.1  # a frozen reference, expert-parallel like the policy
     config.objective.updates_per_rollout = 2
@@ -182,23 +184,24 @@ def _moe_config(folder: Path, ep: int) -> Config:
 def test_grpo_under_expert_parallelism_decodes_in_lockstep_like_one_process(
     tmp_path: Path,
 ) -> None:
-    """Qwen3-MoE at EP 2 on two ranks against one process accumulating both ranks' prompts:
+    """Qwen3-MoE at EP 2 on two ranks against one process accumulating both ranks' prompts,
+    two updates on one rollout:
     the rollouts equal token for token and every step's metrics within 1e-5, although the
     ranks stop decoding at different steps (each token's forward is an all-to-all between
     them: without lockstep decoding the rank that finishes first leaves the other waiting)."""
     single = run_on_ranks(_train_recording, 1, _moe_config(tmp_path / "single", 1), 8)[0]
     ep = run_on_ranks(_train_recording, 2, _moe_config(tmp_path / "ep", 2), 8, timeout=180)
     # One process rolls out micro-batch j as data rank j does.
-    for step in range(2):
-        lengths = []
-        for rank in range(2):
-            got, want = ep[rank]["rollouts"][step], single["rollouts"][2 * step + rank]
-            assert torch.equal(got["input_ids"], want["input_ids"])
-            assert torch.equal(got["labels"], want["labels"])
-            for key in ("old_log_probs", "ref_log_probs", "advantages"):
-                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
-            lengths.append((want["labels"] != -100).sum(1).max().item())
-        assert lengths[0] != lengths[1]  # the ranks stopped at different steps
+    assert len(ep[0]["rollouts"]) == 1 and len(single["rollouts"]) == 2
+    lengths = []
+    for rank in range(2):
+        got, want = ep[rank]["rollouts"][0], single["rollouts"][rank]
+        assert torch.equal(got["input_ids"], want["input_ids"])
+        assert torch.equal(got["labels"], want["labels"])
+        for key in ("old_log_probs", "ref_log_probs", "advantages"):
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+        lengths.append((want["labels"] != -100).sum(1).max().item())
+    assert lengths[0] != lengths[1]  # the ranks stopped at different steps
     rows, reference = ep[0]["rows"], single["rows"]
     assert all(row["grad_norm"] > 0 for row in reference)  # rewards differed within groups
     assert_same_metrics(rows, reference)
@@ -248,13 +251,14 @@ def _dpo_config(folder: Path, sp: int) -> Config:
     config.checkpoint.initial_load = config.checkpoint.initial_recipe = None
     config.metrics.tensorboard = False
     config.parallelism.sp = sp
-    config.training.steps = 3
+    config.training.steps = 2
     config.training.seq_len = 63  # not a multiple of SP: each side's slice is padded
     config.training.local_batch_size = 2
     config.training.global_batch_size = 2
     return config
 
 
+@pytest.mark.slow
 def test_dpo_under_sequence_parallelism_trains_like_one_process(tmp_path: Path) -> None:
     """SP 2 slices both sides of each pair; the slices' sequence sums meet over the SP group
     before the preference loss: the steps equal one process's within 1e-5."""
