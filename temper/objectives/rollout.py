@@ -107,7 +107,7 @@ class RolloutSampler:
                 return_log_probs=True,
                 lockstep_group=self.lockstep_group,
             )
-            model.train(was_training)
+            model.train(was_training)  # scored in the mode the loss runs in
             input_ids, labels = rollout_rows(rows, out.tokens, out.lengths)
             old = label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
             entropy = policy_entropy(model, input_ids, self.loss_temperature)
