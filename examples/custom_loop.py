@@ -26,7 +26,7 @@ from temper.data.tasks import task_prompts
 from temper.engine import Engine
 from temper.generation import generate
 from temper.objectives.causal_lm import label_log_probs
-from temper.objectives.grpo import rollout_rows
+from temper.objectives.rollout import rollout_rows
 
 PROMPTS = 4
 """Prompts per step, over all data ranks."""

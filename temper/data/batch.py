@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class SequenceShard:
     valid_len: int
     """Tokens of each row of the slice that are real; the rest is the padding that made the
     sequence divisible, which MoE routing statistics leave out."""
+    group: ProcessGroup | None = None
+    """The SP group holding the other slices: an objective that sums over whole sequences
+    (DPO) reduces its per-slice sums over it."""
 
 
 Batch = dict[str, "torch.Tensor | SequenceShard"]

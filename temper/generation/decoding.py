@@ -6,7 +6,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from temper.generation.fsdp import gathered_weights
 from temper.generation.sampling import check_sampling, sample_next
@@ -52,6 +54,7 @@ def generate(
     pad_id: int = 0,
     generator: torch.Generator | None = None,
     return_log_probs: bool = False,
+    lockstep_group: ProcessGroup | None = None,
 ) -> Generation:
     """Up to ``max_new_tokens`` new tokens after each prompt, with a KV cache.
 
@@ -59,7 +62,10 @@ def generate(
     attention never sees the padding, so a row decodes as it would alone. Temperature 0 is
     greedy; see ``sample_next`` for the rest. A row stops after any of ``stop_tokens``; its
     later columns hold ``pad_id`` (any int: it is never fed to the model). Under FSDP2 the
-    weights are gathered once for the whole call (``gathered_weights``).
+    weights are gathered once for the whole call (``gathered_weights``). With
+    ``lockstep_group`` (expert parallelism: each token's forward is an all-to-all) every rank
+    of the group decodes until all of them are done, one all-reduce of a done flag per step;
+    a rank whose rows all stopped keeps running padded steps.
     """
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
@@ -91,11 +97,20 @@ def generate(
             stopped = ~done & torch.isin(token, stop)
             lengths = lengths.masked_fill(stopped, step + 1)
             done |= stopped
-            if step == max_new_tokens - 1 or done.all():
+            if step == max_new_tokens - 1 or _all_done(done, lockstep_group):
                 break
             positions = positions[:, -1:] + 1
             logits = model(token[:, None], positions, cache=cache)[:, -1].float()
     return Generation(tokens, lengths, log_probs)
+
+
+def _all_done(done: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Every row of this rank done, and with ``group`` every row of every rank in it."""
+    if group is None:
+        return bool(done.all())
+    flag = done.all().to(torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag)
 
 
 def left_pad(prompts: Prompts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

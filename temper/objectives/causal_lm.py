@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from temper.config import Config, ConfigError, ObjectiveConfig
-from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, SEQUENCE_SHARD, Batch
+from temper.data.batch import (
+    DOCUMENT_POSITIONS,
+    IGNORE_INDEX,
+    SEQUENCE_SHARD,
+    Batch,
+    SequenceShard,
+)
 from temper.kernels.attention import DocumentMask
 from temper.kernels.cross_entropy import (
     linear_cross_entropy,
@@ -111,17 +117,20 @@ def label_log_probs(
     position_ids: torch.Tensor | None = None,
     document_mask: DocumentMask | None = None,
     temperature: float = 1.0,
+    shard: SequenceShard | None = None,
 ) -> torch.Tensor:
     """Per-token log p(label) [b, s] in fp32, 0 where the label is ignored: the quantity DPO
     and GRPO build on, with the logits divided by ``temperature`` (GRPO's sampling one).
     Chunked through the head (no full logits) when the fused cross-entropy is on, as in
-    `CausalLM`; from full logits otherwise."""
+    `CausalLM`; from full logits otherwise. ``shard``: the rows are a sequence-parallel
+    slice."""
     kernels = kernel_settings()
     if kernels.fused_cross_entropy and _weight_only_head(model):
-        hidden = model.hidden_states(input_ids, position_ids, document_mask) / temperature
+        hidden = model.hidden_states(input_ids, position_ids, document_mask, shard=shard)
+        hidden = hidden / temperature
         chunk = kernels.chunk_tokens(hidden.device)
         return linear_log_probs(hidden, model.output.weight, labels, chunk)[0]
-    logits = model(input_ids, position_ids, document_mask) / temperature
+    logits = model(input_ids, position_ids, document_mask, shard=shard) / temperature
     return log_probs_from_logits(logits, labels)[0]
 
 

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+import torch.distributed.nn as dist_nn
 import torch.nn.functional as F
 from torch import nn
 
-from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, check_range
-from temper.data.batch import Batch
+from temper.config import Config, ObjectiveConfig, check_positive, check_range
+from temper.data.batch import SEQUENCE_SHARD, Batch, SequenceShard
 from temper.objectives.causal_lm import label_log_probs
 from temper.objectives.registry import (
     Metrics,
@@ -53,10 +54,6 @@ class DPOConfig(ObjectiveConfig):
     data_formats: ClassVar[tuple[str, ...]] = ("preference",)
 
     def validate(self, config: Config) -> None:
-        if config.parallelism.sp != 1:
-            raise ConfigError(
-                "parallelism.sp must be 1 with objective.name 'dpo' (not supported yet)"
-            )
         check_positive(config, "objective.beta")
         check_range(config, "objective.label_smoothing", 0.0, 0.5)
 
@@ -70,10 +67,19 @@ class DPOConfig(ObjectiveConfig):
 
 
 def sequence_log_probs(
-    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    shard: SequenceShard | None = None,
 ) -> torch.Tensor:
-    """Sum over each row of the log-probabilities of its labels (ignored ones count 0)."""
-    return label_log_probs(model, input_ids, labels).sum(dim=-1)
+    """Sum over each row of the log-probabilities of its labels (ignored ones count 0). With
+    a sequence-parallel ``shard`` the slices' sums are added over the SP group (its backward
+    sums each rank's gradient), so every SP rank holds the whole rows' sums."""
+    sums = label_log_probs(model, input_ids, labels, position_ids, shard=shard).sum(dim=-1)
+    if shard is not None and shard.group is not None:
+        sums = dist_nn.all_reduce(sums, group=shard.group)
+    return sums
 
 
 def preference_loss(
@@ -124,13 +130,19 @@ class DPO:
         input_ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
         labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
         n = batch["chosen_input_ids"].shape[0]
-        policy = sequence_log_probs(model, input_ids, labels)
+        # Under SP: both sides are sliced alike (rows of one width), positions are global.
+        shard = batch.get(f"chosen_{SEQUENCE_SHARD}")
+        positions = None
+        if "chosen_position_ids" in batch:
+            positions = torch.cat([batch["chosen_position_ids"], batch["rejected_position_ids"]])
+        rows = (input_ids, labels, positions, shard)
+        policy = sequence_log_probs(model, *rows)
         with torch.no_grad():
             if self.reference is not None:
-                ref = sequence_log_probs(self.reference, input_ids, labels)
+                ref = sequence_log_probs(self.reference, *rows)
             else:
                 with self.reference_mode(model):
-                    ref = sequence_log_probs(model, input_ids, labels)
+                    ref = sequence_log_probs(model, *rows)
         losses = preference_loss(
             policy[:n],
             policy[n:],

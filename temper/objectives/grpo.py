@@ -24,17 +24,16 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, check_range
-from temper.data.batch import IGNORE_INDEX, Batch
+from temper.data.batch import IGNORE_INDEX, SEQUENCE_SHARD, Batch
 from temper.data.chat import load_chat_template, stop_token_ids
-from temper.data.prompts import decode_answer
 from temper.data.tokenizer import Tokenizer, load_tokenizer
-from temper.generation import generate
 from temper.generation.sampling import check_sampling
-from temper.kernels.cross_entropy import log_probs_from_logits
-from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.causal_lm import documents, label_log_probs
 from temper.objectives.registry import (
     Metrics,
     Objective,
@@ -42,13 +41,11 @@ from temper.objectives.registry import (
     reference_policy,
     register_objective,
 )
-from temper.objectives.rewards import Reward, exact_match, get_reward, reward_names
+from temper.objectives.rewards import Reward, get_reward, reward_names
+from temper.objectives.rollout import RolloutSampler
 
 ADVANTAGE_EPS = 1e-4
 """Added to a group's reward std: a group whose rewards all agree gets advantage 0."""
-
-LOGITS_BUDGET = 2**28
-"""fp32 logits elements per no-grad forward chunk of a rollout (1 GiB)."""
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -112,16 +109,7 @@ class GRPOConfig(ObjectiveConfig):
     data_formats: ClassVar[tuple[str, ...]] = ("prompt",)
 
     def validate(self, config: Config) -> None:
-        """Rollouts fit the rows, groups can differ, every reward exists; SP and EP are
-        refused: decoding runs each rank on its own prompts, with no collective between
-        tokens."""
-        for degree in ("sp", "ep"):
-            if getattr(config.parallelism, degree) != 1:
-                raise ConfigError(
-                    f"parallelism.{degree} must be 1 with objective.name 'grpo': rollouts "
-                    "decode each rank's prompts alone, without the per-token collectives it "
-                    "needs"
-                )
+        """Rollouts fit the rows, groups can differ, every reward exists."""
         if self.group_size < 2:
             raise ConfigError(
                 "objective.group_size must be >= 2 (advantages compare a prompt's "
@@ -174,6 +162,7 @@ class GRPOConfig(ObjectiveConfig):
             clip_eps=self.clip_eps,
             kl_coef=self.kl_coef,
             updates_per_rollout=self.updates_per_rollout,
+            lockstep_group=dist.group.WORLD if config.parallelism.ep > 1 else None,
             **(reference_policy(config, build_reference) if self.kl_coef else {}),
         )
 
@@ -198,87 +187,59 @@ class GRPO:
         updates_per_rollout: int,
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
+        lockstep_group: ProcessGroup | None = None,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.stop_tokens = stop_tokens
-        self.rewards = rewards
-        self.reward_weights = list(reward_weights)
+        self.sampler = RolloutSampler(
+            tokenizer=tokenizer,
+            stop_tokens=stop_tokens,
+            rewards=rewards,
+            reward_weights=reward_weights,
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            with_reference=kl_coef > 0,
+            reference=reference,
+            reference_mode=reference_mode,
+            lockstep_group=lockstep_group,
+        )
         self.group_size = group_size
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        # The policy trained is the one sampled: logits over the temperature (greedy: 1).
-        self.loss_temperature = temperature if temperature > 0 else 1.0
-        self.top_k = top_k
-        self.top_p = top_p
+        self.loss_temperature = self.sampler.loss_temperature
         self.clip_eps = clip_eps
         self.kl_coef = kl_coef
         self.updates_per_rollout = updates_per_rollout
-        self.reference = reference
-        self.reference_mode = reference_mode
 
     def count(self, batch: Batch) -> torch.Tensor:
         """Completion tokens: the unit the loss is averaged over."""
         return (batch["labels"] != IGNORE_INDEX).sum()
 
-    @torch.no_grad()
     def prepare(
         self, model: nn.Module, prompts: Batch, generator: torch.Generator
     ) -> tuple[Batch, dict[str, float]]:
-        """Sample, score and log-prob one micro-batch of prompts; returns the training rows
-        (``input_ids``, ``labels``, ``old_log_probs``, ``advantages``, maybe
-        ``ref_log_probs``) and the rollout's metrics."""
-        mask = prompts["prompt_mask"]
-        rows = [ids[m] for ids, m in zip(prompts["prompt_ids"], mask, strict=True)]
-        rows = [row for row in rows for _ in range(self.group_size)]
-        was_training = model.training
-        model.eval()
-        out = generate(
-            model,
-            rows,
-            self.max_new_tokens,
-            self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            stop_tokens=self.stop_tokens,
-            generator=generator,
-            return_log_probs=True,
-        )
-        model.train(was_training)
+        """Sample, score and log-prob one micro-batch of prompts (``temper.objectives.rollout``);
+        returns the training rows (``input_ids``, ``labels``, ``old_log_probs``,
+        ``advantages``, maybe ``ref_log_probs``) and the rollout's metrics."""
+        rollout = self.sampler(model, prompts, generator)
+        advantages = group_advantages(rollout.rewards, self.group_size)
+        batch = rollout.batch | {"advantages": advantages.to(rollout.batch["input_ids"].device)}
+        return batch, rollout.metrics
 
-        input_ids, labels = rollout_rows(rows, out.tokens, out.lengths)
-        old, entropy = _log_probs_and_entropy(model, input_ids, labels, self.loss_temperature)
-        completion = labels != IGNORE_INDEX
-        sampler = torch.zeros_like(old)
-        sampler[completion] = out.log_probs[_completion_mask(out.lengths, self.max_new_tokens)]
-
-        answers = [decode_answer(a) for a in prompts["answer_ids"]]
-        texts = out.texts(self.tokenizer.decode, self.stop_tokens)
-        scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, answers)
-        rewards = scores["reward"]
-        batch = {
-            "input_ids": input_ids,
-            "labels": labels,
-            "old_log_probs": old,
-            "advantages": group_advantages(rewards, self.group_size).to(input_ids.device),
-        }
-        if self.kl_coef:
-            batch["ref_log_probs"] = self._reference_log_probs(model, input_ids, labels)
-        n_tokens = completion.sum().clamp(min=1)
-        metrics = {name: v.mean().item() for name, v in scores.items() if name != "reward"}
-        metrics |= {
-            "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean().item(),
-            "response_length": out.lengths.float().mean().item(),
-            "entropy": (entropy[completion].sum() / n_tokens).item(),
-            "logprob_diff_max": (sampler - old)[completion].abs().max().item(),
-        }
-        return batch, metrics
+    def empty_rollout(self, prompts: int, width: int) -> Batch:
+        rows = prompts * self.group_size
+        return self.sampler.empty_rollout(rows, width) | {"advantages": torch.zeros(rows)}
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         labels = batch["labels"]
         completion = labels != IGNORE_INDEX
         log_probs = label_log_probs(
-            model, batch["input_ids"], labels, temperature=self.loss_temperature
+            model,
+            batch["input_ids"],
+            labels,
+            batch.get("position_ids"),
+            documents(batch),
+            temperature=self.loss_temperature,
+            shard=batch.get(SEQUENCE_SHARD),
         )
         per_token, clipped = clipped_token_loss(
             log_probs, batch["old_log_probs"], batch["advantages"], self.clip_eps
@@ -290,76 +251,3 @@ class GRPO:
             per_token = per_token + self.kl_coef * kl
             metrics["kl"] = kl.detach()[completion].sum() / n_tokens
         return per_token[completion].sum(), self.count(batch), metrics
-
-    def _score(
-        self, prompts: list[str], completions: list[str], answers: list[str]
-    ) -> dict[str, torch.Tensor]:
-        """Per completion (on CPU): the weighted reward sum, each reward, and exact-match
-        accuracy."""
-        per_reward = torch.zeros(len(self.rewards), len(completions))
-        accuracy = torch.zeros(len(completions))
-        for i, (prompt, text) in enumerate(zip(prompts, completions, strict=True)):
-            answer = answers[i // self.group_size]
-            for k, reward in enumerate(self.rewards.values()):
-                per_reward[k, i] = reward(prompt, text, answer)
-            accuracy[i] = exact_match(prompt, text, answer)
-        weights = torch.tensor(self.reward_weights)
-        scores = {"reward": weights @ per_reward}
-        if len(self.rewards) > 1:
-            scores |= {
-                f"reward_{name}": row for name, row in zip(self.rewards, per_reward, strict=True)
-            }
-        return scores | {"accuracy": accuracy}
-
-    def _reference_log_probs(
-        self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
-    ) -> torch.Tensor:
-        """The reference's per-token log-probs: the frozen copy, or the policy with its
-        adapters off."""
-        if self.reference is not None:
-            return label_log_probs(
-                self.reference, input_ids, labels, temperature=self.loss_temperature
-            )
-        with self.reference_mode(model):
-            return label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
-
-
-def _completion_mask(lengths: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """[b, max_new_tokens]: the new tokens each row really produced (its stop token too)."""
-    return torch.arange(max_new_tokens, device=lengths.device) < lengths[:, None]
-
-
-def rollout_rows(
-    prompts: list[torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt + completion as right-padded rows of inputs and next-token labels that train
-    on the completion only, as wide as the longest row needs (its last token is only a
-    label). Padding (id 0) follows the real tokens: it is never a label, and causal
-    attention keeps it from every real token."""
-    width = max(p.numel() + n for p, n in zip(prompts, lengths.tolist(), strict=True)) - 1
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=tokens.device)
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    for i, (prompt, n) in enumerate(zip(prompts, lengths.tolist(), strict=True)):
-        ids = torch.cat([prompt.to(tokens.device), tokens[i, :n]])
-        p = prompt.numel()
-        input_ids[i, : ids.numel() - 1] = ids[:-1]
-        labels[i, p - 1 : ids.numel() - 1] = ids[p:]
-    return input_ids, labels
-
-
-@torch.no_grad()
-def _log_probs_and_entropy(
-    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's per-token log p(label) and the policy's entropy at each position, both
-    [b, s] fp32, from full logits at ``temperature`` computed a few rows at a time."""
-    vocab = model.args.vocab_size
-    step = max(1, LOGITS_BUDGET // (input_ids.shape[1] * vocab))
-    log_probs, entropy = [], []
-    for rows in range(0, input_ids.shape[0], step):
-        logits = model(input_ids[rows : rows + step]).float() / temperature
-        picked, lse = log_probs_from_logits(logits, labels[rows : rows + step])
-        probs = torch.softmax(logits, dim=-1)
-        log_probs.append(picked)
-        entropy.append(lse - (probs * logits).sum(dim=-1))
-    return torch.cat(log_probs), torch.cat(entropy)

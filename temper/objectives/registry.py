@@ -61,6 +61,11 @@ class RolloutObjective(Objective, Protocol):
         self, model: nn.Module, prompts: Batch, generator: torch.Generator
     ) -> tuple[Batch, dict[str, float]]: ...
 
+    def empty_rollout(self, prompts: int, width: int) -> Batch:
+        """Zeros shaped like ``prepare``'s batch for ``prompts`` prompts, its rows ``width``
+        wide: what a checkpoint taken mid-rollout is loaded into."""
+        ...
+
 
 ReferenceMode = Callable[[nn.Module], contextlib.AbstractContextManager[None]]
 

@@ -17,6 +17,9 @@ routing statistics.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -32,12 +35,19 @@ from temper.utils.compat import all_to_all_single_autograd
 PAD_POSITION = -1
 """Position of a padding token: never its predecessor's + 1, so each pad is its own document."""
 
+PREFERENCE_SIDES = ("chosen_", "rejected_")
+"""The field prefixes of a DPO batch's two sequences."""
 
-def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
-    """SP rank ``rank``'s slice (of ``size``) of a [b, s] batch, right-padded to a multiple of
-    ``size``.
 
-    ``input_ids``, ``labels`` and ``position_ids`` are sliced, and ``SEQUENCE_SHARD`` holds
+def shard_batch(
+    batch: Batch, rank: int, size: int, group: dist.ProcessGroup | None = None
+) -> Batch:
+    """SP rank ``rank``'s slice (of ``size``, the SP ``group``) of a [b, s] batch, right-padded
+    to a multiple of ``size``. A preference batch (``chosen_*`` and ``rejected_*`` fields) has
+    each side sliced so.
+
+    ``input_ids``, ``labels``, ``position_ids`` and any other [b, s] field (zero-padded) are
+    sliced, [b] fields are kept whole, and ``SEQUENCE_SHARD`` holds
     the slice's ``SequenceShard`` (the padded length; how many of its tokens are real) for
     the decoder. For packed rows the padded global positions go to ``DOCUMENT_POSITIONS``,
     from which the objective builds the document mask that attention (which sees the whole
@@ -46,6 +56,12 @@ def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
     ``DOCUMENT_POSITIONS`` is empty, and attention keeps its mask-free causal kernel, which
     never holds the [s, s] scores (a backend that needs a mask builds it at the padded length).
     """
+    if "input_ids" not in batch:
+        return {
+            side + key: value
+            for side in PREFERENCE_SIDES
+            for key, value in shard_batch(_side(batch, side), rank, size, group).items()
+        }
     input_ids, labels = batch["input_ids"], batch["labels"]
     b, s = input_ids.shape
     packed = batch.get("position_ids")
@@ -58,11 +74,23 @@ def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
         "labels": F.pad(labels, (0, pad), value=IGNORE_INDEX),
         "position_ids": F.pad(positions, (0, pad), value=PAD_POSITION),
     }
+    # Other per-token fields (a rollout's old log-probabilities) are sliced with the tokens;
+    # per-row ones ([b]: advantages) go to every slice.
+    for key, t in batch.items():
+        if key not in padded:
+            padded[key] = F.pad(t, (0, pad)) if t.shape[:2] == (b, s) else t
     local = (s + pad) // size
-    shard = {key: t[:, rank * local : (rank + 1) * local] for key, t in padded.items()}
+    shard = {
+        key: t[:, rank * local : (rank + 1) * local] if t.shape[:2] == (b, s + pad) else t
+        for key, t in padded.items()
+    }
     shard[DOCUMENT_POSITIONS] = padded["position_ids"] if packed is not None else positions[:0]
-    shard[SEQUENCE_SHARD] = SequenceShard(s + pad, min(max(s - rank * local, 0), local))
+    shard[SEQUENCE_SHARD] = SequenceShard(s + pad, min(max(s - rank * local, 0), local), group)
     return shard
+
+
+def _side(batch: Batch, side: str) -> Batch:
+    return {key.removeprefix(side): v for key, v in batch.items() if key.startswith(side)}
 
 
 class UlyssesAttention:
@@ -160,7 +188,7 @@ class SequenceParallel:
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's slice of ``batch`` (see ``shard_batch``)."""
-        return shard_batch(batch, self.rank, self.size)
+        return shard_batch(batch, self.rank, self.size, self.group)
 
     def apply(self, model: nn.Module) -> None:
         """Route every attention core through the all-to-alls. Runs on the meta model, before
@@ -178,3 +206,25 @@ class SequenceParallel:
                 mixer.mix = mix
             else:
                 mixer.attend = attend
+
+
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module) -> Iterator[None]:
+    """Attention and Gated DeltaNet's mix on this rank alone while inside: an RL rollout
+    decodes and scores whole sequences on every SP rank (no all-to-all between them), then
+    training slices them. A model without SP wrappers is left as it is."""
+    swapped: list[tuple[nn.Module, str, object]] = []
+    for block in model.layers:
+        mixer = block.attention
+        if isinstance(mixer, GatedDeltaNet):
+            if isinstance(mixer.mix, UlyssesGatedDeltaNet):
+                swapped.append((mixer, "mix", mixer.mix))
+                mixer.mix = gated_delta_mix
+        elif isinstance(mixer.attend, UlyssesAttention):
+            swapped.append((mixer, "attend", mixer.attend))
+            mixer.attend = causal_attention
+    try:
+        yield
+    finally:
+        for mixer, name, wrapper in swapped:
+            setattr(mixer, name, wrapper)

@@ -1,38 +1,63 @@
-"""The loop's own state, checkpointed beside the engine's: where training is and what data
-comes next."""
+"""The loop's own state, checkpointed beside the engine's: where training is, what data
+comes next, and the RL rollout still being trained on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from temper.data.batch import Batch
 from temper.data.loader import BatchLoader
+from temper.trainer.rollout_buffer import Rollout, restore_rollout, rollout_state
 
 
 class TrainState:
-    """Step, tokens seen and the loader's position: a ``Stateful`` that ``Engine.save``
-    writes and ``Engine.load`` restores.
+    """Step, tokens seen, the loader's position and the current rollout: a ``Stateful`` that
+    ``Engine.save`` writes and ``Engine.load`` restores.
 
     ``rollout`` (the micro-batches of the current RL rollout and their metrics) is kept for
-    the steps that train on it; it is not checkpointed, so a resume between two updates of
-    one rollout samples a new rollout.
+    the ``updates_per_rollout`` steps that train on it. A checkpoint taken between two of
+    them holds it (``temper.trainer.rollout_buffer``), so the resumed run trains on the same
+    rollout. Loading one needs ``step`` set to the step being resumed beforehand, and
+    ``rollout_template`` (zeros shaped like one rollout's micro-batches at full width) to
+    load it into.
     """
 
-    def __init__(self, loader: BatchLoader) -> None:
+    def __init__(
+        self,
+        loader: BatchLoader,
+        *,
+        updates_per_rollout: int = 1,
+        rollout_template: Callable[[], list[Batch]] | None = None,
+        rollout_width: int = 0,
+    ) -> None:
         self.loader = loader
         self.step = 0
         self.tokens_seen = 0
-        self.rollout: tuple[list[Batch], dict[str, torch.Tensor]] | None = None
+        self.rollout: Rollout | None = None
+        self.updates_per_rollout = updates_per_rollout
+        self.rollout_template = rollout_template
+        self.rollout_width = rollout_width
+
+    def mid_rollout(self) -> bool:
+        """The next step trains on the current rollout (so a checkpoint must hold it)."""
+        return self.rollout_template is not None and self.step % self.updates_per_rollout != 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "dataloader": self.loader.state_dict(),
             "train_state": {"step": self.step, "tokens_seen": self.tokens_seen},
         }
+        if self.mid_rollout():
+            if self.rollout is None:  # loading: the shapes to fill
+                state["rollout"] = rollout_state(self.rollout_template(), None, self.rollout_width)
+            else:
+                state["rollout"] = rollout_state(*self.rollout, self.rollout_width)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["dataloader"])
         self.step = state["train_state"]["step"]
         self.tokens_seen = state["train_state"]["tokens_seen"]
+        if "rollout" in state:
+            self.rollout = restore_rollout(state["rollout"])

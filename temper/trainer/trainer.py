@@ -50,7 +50,9 @@ class Trainer:
         self.objective: Objective = build_objective(config, engine.build_reference)
         self.grad_accum = engine.dims.grad_accum_steps(config.training)
         self.loader = build_loader(config, engine.tokenizer, engine.dims.dp_rank, engine.dims.dp)
-        self.state = TrainState(self.loader)
+        self.state = self._train_state()
+        # The step to resume first: whether the checkpoint holds a rollout depends on it.
+        self.state.step = engine.checkpointer.resume_step or 0
         self.state.step = engine.load(self.state) or 0
         self.start_step = self.state.step
         self.metrics = MetricsLogger(
@@ -64,6 +66,23 @@ class Trainer:
             flops_per_token=engine.model.flops_per_token,
             peak_flops=peak_flops(engine.device, engine.dtype),
             total_steps=config.training.steps,
+        )
+
+    def _train_state(self) -> TrainState:
+        objective, config, device = self.objective, self.config, self.engine.device
+        if not isinstance(objective, RolloutObjective):
+            return TrainState(self.loader)
+
+        def template() -> list[Batch]:
+            prompts, width = config.training.local_batch_size, config.training.seq_len
+            empty = [objective.empty_rollout(prompts, width) for _ in range(self.grad_accum)]
+            return [{k: v.to(device) for k, v in batch.items()} for batch in empty]
+
+        return TrainState(
+            self.loader,
+            updates_per_rollout=objective.updates_per_rollout,
+            rollout_template=template,
+            rollout_width=config.training.seq_len,
         )
 
     def train(self) -> bool:
@@ -191,16 +210,21 @@ class Trainer:
         if not isinstance(objective, RolloutObjective):
             return [next(batches) for _ in range(self.grad_accum)], {}
         if state.rollout is None or state.step % objective.updates_per_rollout == 0:
-            prompts = [engine.prepare_batch(next(batches)) for _ in range(self.grad_accum)]
+            # Whole prompts on every SP rank: a rollout decodes whole sequences.
+            prompts = [
+                {k: v.to(engine.device) for k, v in next(batches).items()}
+                for _ in range(self.grad_accum)
+            ]
             first = engine.dims.dp_rank * self.grad_accum
             offload = self.config.optimizer.offload_during_rollout
             if offload:
                 engine.offload_optimizer()
-            try:
-                results = [
-                    objective.prepare(engine.model, mb, self._sampler(first + j))
-                    for j, mb in enumerate(prompts)
-                ]
+            try:  # in the loss's precision, so the first update's ratio is exactly 1
+                with engine.autocast():
+                    results = [
+                        objective.prepare(engine.model, mb, self._sampler(first + j))
+                        for j, mb in enumerate(prompts)
+                    ]
             finally:
                 if offload:
                     engine.restore_optimizer()

@@ -43,8 +43,9 @@ class _FixedLogits(nn.Module):
         generator = torch.Generator().manual_seed(0)
         self.table = nn.Parameter(torch.randn(vocab, vocab, generator=generator))
 
-    def forward(self, input_ids: torch.Tensor, *_: object) -> torch.Tensor:
-        """Positions and document masks, which a decoder takes, change nothing here."""
+    def forward(self, input_ids: torch.Tensor, *_: object, **__: object) -> torch.Tensor:
+        """Positions, document masks and an SP shard, which a decoder takes, change nothing
+        here."""
         return self.table[input_ids]
 
 

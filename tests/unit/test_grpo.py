@@ -25,9 +25,9 @@ from temper.objectives.grpo import (
     clipped_token_loss,
     group_advantages,
     k3_kl,
-    rollout_rows,
 )
 from temper.objectives.rewards import exact_match, item_match, list_format, register_reward
+from temper.objectives.rollout import rollout_rows
 
 
 def test_group_advantages_by_hand() -> None:

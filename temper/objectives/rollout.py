@@ -1,0 +1,221 @@
+"""One RL rollout of a micro-batch of prompts: completions sampled with the policy itself,
+scored by the rewards, and the per-token log-probabilities the loss compares against.
+
+Everything that runs the policy (decoding, the old log-probabilities, the entropy, the
+reference's log-probabilities with LoRA's adapters off) runs in one ``gathered_weights``
+region: under FSDP2 each unit is all-gathered once for the whole rollout. Under sequence
+parallelism every rank of an SP group rolls out the same prompts with the same sampler and
+runs whole sequences (``whole_sequences``); training then slices the rows. The caller runs
+the rollout in the precision context its loss runs in (``Engine.autocast``), and the old
+log-probabilities come from the loss's own function on the same rows
+(``label_log_probs``), so the first update's importance ratio is exactly 1.
+
+Every rank runs the same number of forwards whatever its rows' widths: one prefill and then
+decoding steps until every rank of ``lockstep_group`` is done (expert parallelism's
+all-to-alls pair up token for token), one forward for the old log-probabilities, one for the
+reference, and entropy chunks sized from the widest row over all ranks. So collectives inside
+the model (an all-to-all, a forward outside the gathered region) always pair up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from temper.data.batch import IGNORE_INDEX, Batch
+from temper.data.prompts import decode_answer
+from temper.data.tokenizer import Tokenizer
+from temper.generation import gathered_weights, generate
+from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.registry import ReferenceMode
+from temper.objectives.rewards import Reward, exact_match
+from temper.parallel.ulysses import whole_sequences
+
+LOGITS_BUDGET = 2**28
+"""fp32 logits elements per no-grad forward chunk of the entropy pass (1 GiB)."""
+
+
+@dataclass
+class Rollout:
+    """What a rollout hands the objective: the training rows and their scores."""
+
+    batch: Batch
+    """``input_ids``, ``labels``, ``old_log_probs`` and, with a reference, ``ref_log_probs``."""
+    rewards: torch.Tensor
+    """[rows] fp32 on CPU: each completion's weighted reward sum."""
+    metrics: dict[str, float]
+
+
+class RolloutSampler:
+    """Samples ``group_size`` completions per prompt and records what the loss needs."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Tokenizer,
+        stop_tokens: set[int],
+        rewards: dict[str, Reward],
+        reward_weights: Sequence[float],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float,
+        with_reference: bool,
+        reference: nn.Module | None = None,
+        reference_mode: ReferenceMode | None = None,
+        lockstep_group: ProcessGroup | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop_tokens = stop_tokens
+        self.rewards = rewards
+        self.reward_weights = list(reward_weights)
+        self.group_size = group_size
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        # The policy trained is the one sampled: logits over the temperature (greedy: 1).
+        self.loss_temperature = temperature if temperature > 0 else 1.0
+        self.top_k = top_k
+        self.top_p = top_p
+        self.with_reference = with_reference
+        self.reference = reference
+        self.reference_mode = reference_mode
+        self.lockstep_group = lockstep_group
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, prompts: Batch, generator: torch.Generator) -> Rollout:
+        mask = prompts["prompt_mask"]
+        rows = [ids[m] for ids, m in zip(prompts["prompt_ids"], mask, strict=True)]
+        rows = [row for row in rows for _ in range(self.group_size)]
+        was_training = model.training
+        model.eval()
+        with gathered_weights(model), whole_sequences(model):
+            out = generate(
+                model,
+                rows,
+                self.max_new_tokens,
+                self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                stop_tokens=self.stop_tokens,
+                generator=generator,
+                return_log_probs=True,
+                lockstep_group=self.lockstep_group,
+            )
+            model.train(was_training)  # scored in the mode the loss runs in
+            input_ids, labels = rollout_rows(rows, out.tokens, out.lengths)
+            old = label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
+            entropy = policy_entropy(model, input_ids, self.loss_temperature)
+            batch = {"input_ids": input_ids, "labels": labels, "old_log_probs": old}
+            if self.with_reference:
+                batch["ref_log_probs"] = self._reference_log_probs(model, input_ids, labels)
+
+        completion = labels != IGNORE_INDEX
+        sampler = torch.zeros_like(old)
+        sampler[completion] = out.log_probs[_completion_mask(out.lengths, self.max_new_tokens)]
+        answers = [decode_answer(a) for a in prompts["answer_ids"]]
+        texts = out.texts(self.tokenizer.decode, self.stop_tokens)
+        scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, answers)
+        rewards = scores["reward"]
+        n_tokens = completion.sum().clamp(min=1)
+        metrics = {name: v.mean().item() for name, v in scores.items() if name != "reward"}
+        metrics |= {
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean().item(),
+            "response_length": out.lengths.float().mean().item(),
+            "entropy": (entropy[completion].sum() / n_tokens).item(),
+            "logprob_diff_max": (sampler - old)[completion].abs().max().item(),
+        }
+        return Rollout(batch, rewards, metrics)
+
+    def empty_rollout(self, rows: int, width: int) -> Batch:
+        """Zeros shaped like a rollout's batch of ``rows`` rows ``width`` wide."""
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        batch = {"input_ids": ids, "labels": ids.clone(), "old_log_probs": torch.zeros(rows, width)}
+        if self.with_reference:
+            batch["ref_log_probs"] = torch.zeros(rows, width)
+        return batch
+
+    def _score(
+        self, prompts: list[str], completions: list[str], answers: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Per completion (on CPU): the weighted reward sum, each reward, and exact-match
+        accuracy."""
+        per_reward = torch.zeros(len(self.rewards), len(completions))
+        accuracy = torch.zeros(len(completions))
+        for i, (prompt, text) in enumerate(zip(prompts, completions, strict=True)):
+            answer = answers[i // self.group_size]
+            for k, reward in enumerate(self.rewards.values()):
+                per_reward[k, i] = reward(prompt, text, answer)
+            accuracy[i] = exact_match(prompt, text, answer)
+        weights = torch.tensor(self.reward_weights)
+        scores = {"reward": weights @ per_reward}
+        if len(self.rewards) > 1:
+            scores |= {
+                f"reward_{name}": row for name, row in zip(self.rewards, per_reward, strict=True)
+            }
+        return scores | {"accuracy": accuracy}
+
+    def _reference_log_probs(
+        self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """The reference's per-token log-probs: the frozen copy, or the policy with its
+        adapters off."""
+        if self.reference is not None:
+            with whole_sequences(self.reference):
+                return label_log_probs(
+                    self.reference, input_ids, labels, temperature=self.loss_temperature
+                )
+        with self.reference_mode(model):
+            return label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
+
+
+def _completion_mask(lengths: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """[b, max_new_tokens]: the new tokens each row really produced (its stop token too)."""
+    return torch.arange(max_new_tokens, device=lengths.device) < lengths[:, None]
+
+
+def rollout_rows(
+    prompts: list[torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt + completion as right-padded rows of inputs and next-token labels that train
+    on the completion only, as wide as the longest row needs (its last token is only a
+    label). Padding (id 0) follows the real tokens: it is never a label, and causal
+    attention keeps it from every real token."""
+    width = max(p.numel() + n for p, n in zip(prompts, lengths.tolist(), strict=True)) - 1
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=tokens.device)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths.tolist(), strict=True)):
+        ids = torch.cat([prompt.to(tokens.device), tokens[i, :n]])
+        p = prompt.numel()
+        input_ids[i, : ids.numel() - 1] = ids[:-1]
+        labels[i, p - 1 : ids.numel() - 1] = ids[p:]
+    return input_ids, labels
+
+
+def policy_entropy(model: nn.Module, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The policy's entropy at each position [b, s] fp32, from full logits at ``temperature``
+    computed a few rows at a time. The rows per chunk come from the widest row of every rank
+    (one all-reduce), so each rank runs as many forwards as the others: every rank must call
+    this with the same number of rows."""
+    vocab = model.args.vocab_size
+    step = max(1, LOGITS_BUDGET // (agreed_width(input_ids) * vocab))
+    entropy = []
+    for rows in range(0, input_ids.shape[0], step):
+        logits = model(input_ids[rows : rows + step]).float() / temperature
+        lse = logits.logsumexp(dim=-1)
+        entropy.append(lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1))
+    return torch.cat(entropy)
+
+
+def agreed_width(input_ids: torch.Tensor) -> int:
+    """The widest row on any rank (this rank's alone in a single process)."""
+    width = torch.tensor(input_ids.shape[1], device=input_ids.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    return int(width)
