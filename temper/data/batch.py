@@ -18,6 +18,9 @@ class SequenceShard:
     valid_len: int
     """Tokens of each row of the slice that are real; the rest is the padding that made the
     sequence divisible, which MoE routing statistics leave out."""
+    start: int = 0
+    """Where the slice starts in the whole sequence (a vision-language model slices its fused
+    embeddings there)."""
 
 
 Batch = dict[str, "torch.Tensor | SequenceShard"]
