@@ -25,9 +25,9 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from temper.data.mrope_positions import mrope_positions
 from temper.models import load_hf, save_hf
 from temper.models.hf import adapter_of
-from temper.models.layers.mrope_positions import mrope_positions
 from temper.models.qwen3_5_vl import Qwen3_5MoeVLTransformer, Qwen3_5VLTransformer
 
 TEXT = {

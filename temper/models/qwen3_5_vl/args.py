@@ -3,6 +3,7 @@ vision tower's and the special tokens that mark images."""
 
 from dataclasses import dataclass, field
 
+from temper.data.vision_tokens import BUILTIN_VISION_TOKENS
 from temper.models.layers.vision import VisionArgs
 from temper.models.qwen3_5.args import FLAVORS as TEXT_FLAVORS
 from temper.models.qwen3_5.args import Qwen3_5Args
@@ -45,10 +46,10 @@ DEBUG_VISION = VisionArgs(
     dim=64, n_layers=2, n_heads=4, ffn_hidden_dim=128, out_dim=128, n_position_embeddings=64
 )
 DEBUG_TOKENS = {
-    "image_token_id": 2047,
+    "image_token_id": BUILTIN_VISION_TOKENS.image,
     "video_token_id": 2046,
-    "vision_start_token_id": 2045,
-    "vision_end_token_id": 2044,
+    "vision_start_token_id": BUILTIN_VISION_TOKENS.start,
+    "vision_end_token_id": BUILTIN_VISION_TOKENS.end,
 }
 
 

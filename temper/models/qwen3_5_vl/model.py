@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from temper.data.batch import SequenceShard
+from temper.data.mrope_positions import mrope_positions
 from temper.kernels.attention import DocumentMask
 from temper.models.layers.kv_cache import KVCache
-from temper.models.layers.mrope_positions import mrope_positions
 from temper.models.layers.vision import VisionTower
 from temper.models.qwen3_5.model import Qwen3_5Transformer
 from temper.models.qwen3_5_moe.model import Qwen3_5MoeTransformer
