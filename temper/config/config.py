@@ -159,6 +159,9 @@ class Data:
     builtin_examples: int = 4096
     """sft/preference/prompt without a path: training examples drawn from the built-in
     tasks."""
+    builtin_images: bool = False
+    """sft without a path: the built-in image task (a coloured shape, "shape?" or "colour?")
+    instead of copy/sort; for vision-language models (qwen3_5_vl)."""
 
 
 @dataclass

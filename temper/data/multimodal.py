@@ -19,21 +19,31 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from temper.data.batch import IGNORE_INDEX
-from temper.data.chat import ROLES, RecordError, read_jsonl, tokenize_chat
+from temper.config import Data
+from temper.data.batch import IGNORE_INDEX, MEDIA_KEYS
+from temper.data.chat import (
+    BUILTIN_TEMPLATE,
+    ROLES,
+    RecordError,
+    load_chat_template,
+    read_jsonl,
+    tokenize_chat,
+)
 from temper.data.mrope_positions import document_mrope_positions
 from temper.data.sft import ExampleStream, Policy, pad_id, sample_labels
+from temper.data.shapes import shape_records
 from temper.data.tokenizer import Tokenizer
 from temper.data.vision_tokens import IMAGE_PLACEHOLDER, VisionTokenIds, vision_token_ids
 
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "rope_position_ids")
-"""Batch keys of a vision-language batch that the model takes beside the token ids."""
+if TYPE_CHECKING:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
 BUILTIN_VL_TEMPLATE = (
     "{% for message in messages %}"
@@ -64,6 +74,10 @@ class ImageSample:
 
 def builtin_image_processor(patch_size: int = 16, merge_size: int = 2) -> Qwen2VLImageProcessorPil:
     """The processor of the debug vision-language flavors (16-pixel patches, 2 x 2 merges)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
     factor = patch_size * merge_size
     return Qwen2VLImageProcessorPil(
         patch_size=patch_size,
@@ -81,6 +95,10 @@ def load_image_processor(folder: str | None) -> Qwen2VLImageProcessorPil:
                 f"{folder}: no preprocessor_config.json, which image data needs"
             )
         return builtin_image_processor()
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
     return Qwen2VLImageProcessorPil.from_pretrained(folder)
 
 
@@ -311,3 +329,38 @@ def collate(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
             [r["pixel_values"] for r in rows if len(r["image_grid_thw"])]
         )
     return batch
+
+
+def build_image_dataset(
+    data: Data,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    *,
+    seed: int,
+    dp_rank: int,
+    dp_world: int,
+    folder: str | None,
+) -> ExampleStream:
+    """The image SFT stream of a run: the user's image chat JSONL (``data.path``), or the
+    built-in shapes task's training split; template and image processor from ``folder`` (the
+    model's), else the built-in ones."""
+    template = load_chat_template(data.chat_template, folder)
+    if template == BUILTIN_TEMPLATE:
+        template = BUILTIN_VL_TEMPLATE
+    processor = load_image_processor(folder)
+    records = (
+        read_image_records(data.path)
+        if data.path is not None
+        else shape_records(seed, "train", data.builtin_examples)
+    )
+    samples = image_samples(records, tokenizer, template, processor, data.train_on_prompt)
+    return image_sft_dataset(
+        samples,
+        tokenizer,
+        processor,
+        seq_len,
+        pack=data.pack,
+        seed=seed,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+    )

@@ -22,7 +22,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, SEQUENCE_SHARD, Batch, SequenceShard
+from temper.data.batch import (
+    DOCUMENT_POSITIONS,
+    FUSION_INPUT_IDS,
+    IGNORE_INDEX,
+    SEQUENCE_SHARD,
+    Batch,
+    SequenceShard,
+)
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.attention import attention as causal_attention
 from temper.models.fit import check_heads, check_linear_attention_heads, check_mtp
@@ -39,7 +46,11 @@ def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
 
     ``input_ids``, ``labels`` and ``position_ids`` are sliced, and ``SEQUENCE_SHARD`` holds
     the slice's ``SequenceShard`` (the padded length; how many of its tokens are real) for
-    the decoder. For packed rows the padded global positions go to ``DOCUMENT_POSITIONS``,
+    the decoder. A vision-language batch's images stay whole (every SP rank runs the tower on
+    all of them) with the whole sequence's ids (``FUSION_INPUT_IDS``): the model fuses the
+    image features into the whole sequence and keeps its slice, so the slice is taken after
+    fusion; its multimodal positions are sliced like the tokens.
+    For packed rows the padded global positions go to ``DOCUMENT_POSITIONS``,
     from which the objective builds the document mask that attention (which sees the whole
     sequence) needs. Without ``position_ids`` the rows are continuous sequences at positions
     0..s-1: they need no mask (the padding comes last, and causal order hides it), so
@@ -59,9 +70,19 @@ def shard_batch(batch: Batch, rank: int, size: int) -> Batch:
         "position_ids": F.pad(positions, (0, pad), value=PAD_POSITION),
     }
     local = (s + pad) // size
-    shard = {key: t[:, rank * local : (rank + 1) * local] for key, t in padded.items()}
+    start = rank * local
+    shard = {key: t[:, start : start + local] for key, t in padded.items()}
     shard[DOCUMENT_POSITIONS] = padded["position_ids"] if packed is not None else positions[:0]
-    shard[SEQUENCE_SHARD] = SequenceShard(s + pad, min(max(s - rank * local, 0), local))
+    shard[SEQUENCE_SHARD] = SequenceShard(s + pad, min(max(s - start, 0), local), start)
+    if "rope_position_ids" in batch:  # a vision-language batch: see below
+        rope = F.pad(batch["rope_position_ids"], (0, pad))
+        shard["rope_position_ids"] = rope[..., start : start + local]
+    if "pixel_values" in batch:
+        shard["pixel_values"], shard["image_grid_thw"] = (
+            batch["pixel_values"],
+            batch["image_grid_thw"],
+        )
+        shard[FUSION_INPUT_IDS] = padded["input_ids"]
     return shard
 
 
