@@ -23,6 +23,7 @@ from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
 from temper.kernels.dispatch import configure_kernels
 from temper.models import build_hf_model, build_model, materialize
+from temper.models.freeze import freeze_parts
 from temper.models.hf import hf_module_names, hf_named_tensors
 from temper.models.lora import apply_lora, init_lora
 from temper.models.protocols import PostStepHook
@@ -265,4 +266,8 @@ def build_run_model(config: Config, tokenizer: Tokenizer) -> nn.Module:
             )
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    try:
+        freeze_parts(model, config.model.freeze)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return model
