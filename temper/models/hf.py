@@ -64,6 +64,9 @@ class HFAdapter:
     fit_to_folder: Callable[[Any, set[str]], Any] = lambda args, tensor_names: args
     """The args read from config.json, fitted to the tensor names the folder holds: DeepSeek
     V3's multi-token-prediction layers, which transformers' configs declare without saving."""
+    carried_prefixes: tuple[str, ...] = ()
+    """HF tensors the native model does not hold that an export copies from the folder it
+    was loaded from, untouched (Qwen3.5's multi-token-prediction layers, ``mtp.``)."""
 
 
 def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
@@ -183,16 +186,26 @@ def save_hf(
     extra_config: dict[str, Any] | None = None,
     generation_config: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    carry_from: str | os.PathLike[str] | None = None,
 ) -> None:
     """Write safetensors shards, config.json and generation_config.json for `model`.
 
     `extra_config` adds fields the args do not carry (token ids, say); generation_config.json
-    takes config.json's token ids, then `generation_config`'s fields. A sharded
-    model must be gathered first (`full_tensor`); this writes what the process holds.
+    takes config.json's token ids, then `generation_config`'s fields. `carry_from` (the HF
+    folder the model came from) gives the tensors the family carries without modelling them
+    (``HFAdapter.carried_prefixes``), copied as they are. A sharded model must be gathered
+    first (`full_tensor`); this writes what the process holds.
     """
     adapter = adapter_of(model)
     folder = Path(path)
-    write_safetensors(folder, dict(hf_named_tensors(model)), max_shard_bytes)
+    tensors = dict(hf_named_tensors(model))
+    if carry_from is not None and adapter.carried_prefixes:
+        source = open_tensors(carry_from)
+        names = source.keys()
+        for key in names:
+            if key.startswith(adapter.carried_prefixes) and key not in tensors:
+                tensors[key] = source.read(key)
+    write_safetensors(folder, tensors, max_shard_bytes)
     dtype = next(model.parameters()).dtype
     config = {**adapter.args_to_hf(model.args), **(extra_config or {})}
     config["torch_dtype"] = str(dtype).removeprefix("torch.")

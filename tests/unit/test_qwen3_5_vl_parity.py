@@ -219,3 +219,38 @@ def test_export_loads_as_the_full_model(moe: bool, tmp_path: Path) -> None:
             mm_token_type_ids=mm_token_types(ids),
         ).logits
         assert max_rel_err(got, native(ids, pixel_values=pixels, image_grid_thw=grids)) <= 1e-5
+
+
+def test_checkpoint_export_carries_processor_and_mtp(tmp_path: Path) -> None:
+    """A released-style folder (tokenizer, image processor, `mtp.*` tensors Temper does not
+    model) -> DCP checkpoint -> HF export: the processor files and the MTP tensors arrive
+    untouched, and transformers loads the export as the full model with the folder's logits."""
+    from importlib import resources
+
+    from safetensors.torch import save_file
+
+    from temper.checkpoint.convert import dcp_to_hf, hf_to_dcp
+
+    hf = tiny_vlm(False, tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    mtp = {"mtp.fc.weight": torch.randn(48, 96), "mtp.norm.weight": torch.rand(48)}
+    save_file(load_file(weights) | mtp, weights, metadata={"format": "pt"})
+    tokenizer = resources.files("temper.assets").joinpath("tokenizer.json").read_text()
+    (tmp_path / "hf" / "tokenizer.json").write_text(tokenizer)
+    processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2)
+    processor.save_pretrained(tmp_path / "hf")
+
+    hf_to_dcp(tmp_path / "hf", tmp_path / "ckpt")
+    dcp_to_hf(tmp_path / "ckpt", tmp_path / "out")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(written[k], v) for k, v in mtp.items())
+    preprocessor = (tmp_path / "hf" / "preprocessor_config.json").read_text()
+    assert (tmp_path / "out" / "preprocessor_config.json").read_text() == preprocessor
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "out").eval()
+    pixels, grids = images(SIZES)
+    ids = batch(grids)
+    inputs = dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grids)
+    with torch.no_grad():
+        got = reloaded(**inputs, mm_token_type_ids=mm_token_types(ids)).logits
+        want = hf(**inputs, mm_token_type_ids=mm_token_types(ids)).logits
+    assert max_rel_err(got, want) <= 1e-5

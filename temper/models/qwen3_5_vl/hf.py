@@ -125,6 +125,7 @@ def _adapter(text: Any, args_cls: type, model_type: str, architecture: str) -> H
         args_from_hf=args_from_hf,
         args_to_hf=args_to_hf,
         key_rules=key_rules,
+        carried_prefixes=("mtp.",),
     )
 
 
