@@ -54,3 +54,10 @@ def test_freeze_is_recorded_and_checked_on_resume() -> None:
         "structure.freeze: checkpoint ['vision'], config None"
     ]
     assert structure_differences(frozen, frozen) == []
+
+
+def test_image_data_needs_a_vision_language_model() -> None:
+    config = Config(model=Model(name="qwen3_5", flavor="debug"))
+    config.data.format, config.data.builtin_images = "sft", True
+    with pytest.raises(ConfigError, match=r"built-in image task\) holds images, but .* tower"):
+        build_run_model(config, load_tokenizer(None))
