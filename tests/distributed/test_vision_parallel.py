@@ -114,3 +114,27 @@ def test_layouts_train_like_one_process(
         references[recipe.__name__] = train_layout(config(SINGLE), SINGLE)
     run = train_layout(config(layout), layout)
     assert_same_metrics(run.rows, references[recipe.__name__].rows)
+
+
+def test_sp_slices_keep_the_images_whole() -> None:
+    """7 tokens over 2 ranks: each slice has all the pixels and grids, the whole padded ids
+    for fusion and its part of the multimodal positions."""
+    from temper.data.batch import FUSION_INPUT_IDS, SEQUENCE_SHARD
+    from temper.parallel.ulysses import shard_batch
+
+    ids = torch.arange(7)[None]
+    batch = {
+        "input_ids": ids,
+        "labels": ids,
+        "pixel_values": torch.randn(16, 8),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "rope_position_ids": torch.arange(21).view(3, 1, 7),
+    }
+    for rank in range(2):
+        shard = shard_batch(batch, rank, 2)
+        assert shard["pixel_values"] is batch["pixel_values"]
+        assert shard["image_grid_thw"] is batch["image_grid_thw"]
+        assert shard[FUSION_INPUT_IDS].tolist() == [[0, 1, 2, 3, 4, 5, 6, 0]]
+        assert shard[SEQUENCE_SHARD].start == 4 * rank
+        want = torch.nn.functional.pad(batch["rope_position_ids"], (0, 1))[..., 4 * rank :][..., :4]
+        assert torch.equal(shard["rope_position_ids"], want)
