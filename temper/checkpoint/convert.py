@@ -146,6 +146,7 @@ def dcp_to_hf(
         output,
         extra_config={"eos_token_id": turn_end, "pad_token_id": pad},
         generation_config={"eos_token_id": stops},
+        carry_from=_existing(metadata.get("hf_path")),
     )
     config = json.loads(files["tokenizer_config.json"])
     config["eos_token"] = tokenizer.decode([turn_end])
@@ -155,6 +156,12 @@ def dcp_to_hf(
         files[CHAT_TEMPLATE_FILE] = template
     for name, text in files.items():
         (output / name).write_text(text)
+
+
+def _existing(folder: str | None) -> str | None:
+    """The folder a run started from, where it still exists: the tensors an export carries
+    through come from it (a moved folder gives an export without them)."""
+    return folder if folder is not None and Path(folder).is_dir() else None
 
 
 def _chat_template(files: dict[str, str], source: str | None) -> str | None:

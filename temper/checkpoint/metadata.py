@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,16 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-def run_structure(ep: int, lora: dict[str, Any] | None, param_dtype: torch.dtype) -> dict[str, Any]:
-    """The settings besides the model args that change what a checkpoint's tensors are."""
-    return {"ep": ep, "lora": lora, "param_dtype": str(param_dtype).removeprefix("torch.")}
+def run_structure(
+    ep: int,
+    lora: dict[str, Any] | None,
+    param_dtype: torch.dtype,
+    freeze: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The settings besides the model args that change what a checkpoint's tensors are (and,
+    with frozen parts, which of them its optimizer state covers); ``freeze`` is recorded only
+    when set, so checkpoints from before it existed still resume."""
+    structure = {"ep": ep, "lora": lora, "param_dtype": str(param_dtype).removeprefix("torch.")}
+    if freeze:
+        structure["freeze"] = sorted(freeze)
+    return structure

@@ -14,7 +14,19 @@ from temper.data.tokenizer import load_tokenizer
 TOKENIZER_FOLDER = "tokenizer"
 """The checkpoint's subfolder that holds them."""
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", CHAT_TEMPLATE_FILE)
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
+"""A vision-language folder's image (and video) processor settings, which its export needs."""
+COPIED = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    CHAT_TEMPLATE_FILE,
+    *PROCESSOR_FILES,
+)
 
 
 def tokenizer_files(source: str | None, chat_template: str | None) -> dict[str, str]:

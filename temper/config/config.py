@@ -48,6 +48,10 @@ class Model:
     None = the flavor's or hf_path config's (0 / num_nextn_predict_layers)."""
     mtp_loss_weight: float | None = None
     """Weight of the MTP loss, shared by the depths; None = the model's (0.3)."""
+    freeze: list[Literal["vision", "merger", "language"]] = field(default_factory=list)
+    """Parts that keep their weights (vision-language models): vision (the tower's patch and
+    position embeddings and blocks), merger (its patch merger), language (the language
+    model). Recorded in temper.json; a resume must freeze the same."""
 
     def arg_overrides(self) -> dict[str, int | float]:
         """The fields above that replace the model's own arguments, where set."""
@@ -159,6 +163,9 @@ class Data:
     builtin_examples: int = 4096
     """sft/preference/prompt without a path: training examples drawn from the built-in
     tasks."""
+    builtin_images: bool = False
+    """sft without a path: the built-in image task (a coloured shape, "shape?" or "colour?")
+    instead of copy/sort; for vision-language models (qwen3_5_vl)."""
 
 
 @dataclass

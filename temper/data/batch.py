@@ -22,6 +22,9 @@ class SequenceShard:
     group: ProcessGroup | None = None
     """The SP group holding the other slices: an objective that sums over whole sequences
     (DPO) reduces its per-slice sums over it."""
+    start: int = 0
+    """Where the slice starts in the whole sequence (a vision-language model slices its fused
+    embeddings there)."""
 
 
 Batch = dict[str, "torch.Tensor | SequenceShard"]
@@ -38,3 +41,20 @@ slice: documents are found on the whole sequence, which attention sees."""
 
 SEQUENCE_SHARD = "sequence_shard"
 """Batch key of the ``SequenceShard`` of a sequence-parallel slice, which the model takes."""
+
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "rope_position_ids")
+"""Keys of a vision-language batch that the model takes beside the tokens: the images'
+patches [n, patch_dim] and grids [images, 3] (all rows' images, in order, never sliced),
+and the multimodal rotary positions [3, b, s] (sliced with the tokens)."""
+
+FUSION_INPUT_IDS = "fusion_input_ids"
+"""Batch key of the whole sequence's token ids in a sequence-parallel slice with images: the
+model fuses the images into the whole sequence, then keeps its slice."""
+
+MODEL_INPUT_KEYS = (*MEDIA_KEYS, FUSION_INPUT_IDS)
+"""The keyword inputs a vision-language model's ``forward`` and ``hidden_states`` take."""
+
+
+def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    """The keyword inputs of ``batch`` beyond the tokens (``MODEL_INPUT_KEYS``; none for text)."""
+    return {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}  # type: ignore[misc]

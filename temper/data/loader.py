@@ -1,7 +1,7 @@
 """Batches from a stateful row dataset; checkpointing the loader checkpoints the dataset."""
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -31,11 +31,20 @@ class BatchLoader:
     the one the saved run would have produced next.
     """
 
-    def __init__(self, dataset: StatefulDataset, batch_size: int) -> None:
+    def __init__(
+        self,
+        dataset: StatefulDataset,
+        batch_size: int,
+        collate: Callable[[Sequence[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]
+        | None = None,
+    ) -> None:
+        """``collate`` turns rows into a batch; None stacks every key (image rows, whose
+        pixels differ in size, bring their own: ``temper.data.multimodal.collate``)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.dataset = dataset
         self.batch_size = batch_size
+        self.collate = collate or stack_rows
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         rows = iter(self.dataset)
@@ -43,7 +52,7 @@ class BatchLoader:
             batch = list(itertools.islice(rows, self.batch_size))
             if len(batch) < self.batch_size:
                 return
-            yield {key: torch.stack([row[key] for row in batch]) for key in batch[0]}
+            yield self.collate(batch)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -55,6 +64,10 @@ class BatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.dataset.load_state_dict(state)
+
+
+def stack_rows(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
 def build_text_loader(

@@ -15,6 +15,12 @@ from typing import Literal
 from temper.config import Config, Data
 from temper.data.chat import load_chat_template
 from temper.data.loader import BatchLoader, build_text_loader
+from temper.data.multimodal import (
+    build_image_dataset,
+    collate,
+    has_image_parts,
+    read_image_records,
+)
 from temper.data.preference import preference_dataset, read_preference_records
 from temper.data.prompts import PromptRecord, prompt_dataset, read_prompt_records
 from temper.data.sft import read_sft_records, sft_dataset
@@ -98,6 +104,17 @@ def build_chat_loader(
     """The loader of an sft, preference or prompt run: the user's JSONL file, or the built-in
     tasks' training split; the template comes from ``data.chat_template`` or the tokenizer
     folder. Prompt rows are ``seq_len`` tokens wide: the room left for the prompt."""
+    if is_image_data(data):
+        dataset = build_image_dataset(
+            data,
+            tokenizer,
+            seq_len,
+            seed=seed,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+            folder=tokenizer_folder,
+        )
+        return BatchLoader(dataset, batch_size, collate)
     template = load_chat_template(data.chat_template, tokenizer_folder)
     common = dict(policy=data.max_length_policy, seed=seed, dp_rank=dp_rank, dp_world=dp_world)
     if data.format == "sft":
@@ -147,12 +164,23 @@ def check_data(data: Data, limit: int) -> None:
         raise FileNotFoundError(
             f"{data.path}: no such file (data.format {data.format} reads one JSONL file)"
         )
+    if is_image_data(data):
+        read_image_records(data.path, limit)
+        return
     readers = {
         "sft": read_sft_records,
         "preference": read_preference_records,
         "prompt": read_prompt_records,
     }
     readers[data.format](data.path, limit)
+
+
+def is_image_data(data: Data) -> bool:
+    """SFT data with images: the built-in image task, or a file whose records hold image
+    parts (list contents)."""
+    if data.format != "sft":
+        return False
+    return data.builtin_images if data.path is None else has_image_parts(data.path)
 
 
 def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int) -> BatchLoader:

@@ -59,6 +59,10 @@ class Tokenizer:
         """Number of tokens, added (special) tokens included."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (an added token's, say), None when the vocabulary lacks it."""
+        return self._tokenizer.token_to_id(token)
+
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 

@@ -56,6 +56,7 @@ class TrainCheckpointer:
         )
         self.ep = config.parallelism.ep
         self.lora = dataclasses.asdict(config.lora) if config.lora.enable else None
+        self.freeze = list(config.model.freeze)
         source = config.data.tokenizer_path or config.model.hf_path
         chat = config.data.format != "text"
         template = load_chat_template(config.data.chat_template, source) if chat else None
@@ -163,7 +164,9 @@ class TrainCheckpointer:
         return build_metadata(
             model,
             step=step,
-            structure=run_structure(ep=self.ep, lora=self.lora, param_dtype=param_dtype),
+            structure=run_structure(
+                ep=self.ep, lora=self.lora, param_dtype=param_dtype, freeze=self.freeze
+            ),
             extra={**extra, **self.facts},
         )
 

@@ -19,13 +19,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from temper.checkpoint.adapter import read_peft_adapter
 from temper.config import Config, ConfigError, LoRA
 from temper.data.batch import Batch
+from temper.data.tasks import is_image_data
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
 from temper.kernels.dispatch import configure_kernels
 from temper.models import build_hf_model, build_model, materialize
+from temper.models.freeze import freeze_parts
 from temper.models.hf import hf_module_names, hf_named_tensors
 from temper.models.lora import apply_lora, init_lora
 from temper.models.protocols import PostStepHook
+from temper.models.qwen3_5_vl.model import VisionLanguage
 from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from temper.parallel.dims import ParallelDims
 from temper.parallel.grad_norm import clip_grad_norm_
@@ -265,4 +268,14 @@ def build_run_model(config: Config, tokenizer: Tokenizer) -> nn.Module:
             )
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    try:
+        freeze_parts(model, config.model.freeze)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if is_image_data(config.data) and not isinstance(model, VisionLanguage):
+        raise ConfigError(
+            f"data.path {config.data.path or '(built-in image task)'} holds images, but "
+            f"{type(model).__name__} has no vision tower: train a vision-language model "
+            "(qwen3_5_vl, qwen3_5_moe_vl or such an HF folder)"
+        )
     return model

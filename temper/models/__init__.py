@@ -6,6 +6,7 @@ from temper.models import llama3 as llama3
 from temper.models import qwen3 as qwen3
 from temper.models import qwen3_5 as qwen3_5
 from temper.models import qwen3_5_moe as qwen3_5_moe
+from temper.models import qwen3_5_vl as qwen3_5_vl
 from temper.models import qwen3_moe as qwen3_moe
 from temper.models import qwen3_next as qwen3_next
 from temper.models.hf import (

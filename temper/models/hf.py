@@ -64,20 +64,9 @@ class HFAdapter:
     fit_to_folder: Callable[[Any, set[str]], Any] = lambda args, tensor_names: args
     """The args read from config.json, fitted to the tensor names the folder holds: DeepSeek
     V3's multi-token-prediction layers, which transformers' configs declare without saving."""
-    multimodal_types: tuple[str, ...] = ()
-    """`model_type` values of vision-language folders whose language model this family reads
-    (Qwen3.5's released checkpoints): its config under `text_config`, its weights under
-    `model.language_model.` instead of `model.`; the other weights are not read."""
-
-
-MULTIMODAL_PREFIX = "model.language_model."
-
-
-def text_config(hf_config: dict[str, Any], adapter: HFAdapter) -> dict[str, Any]:
-    """The language model's config: `text_config` of a vision-language folder, else all."""
-    if hf_config.get("model_type") in adapter.multimodal_types:
-        return hf_config["text_config"]
-    return hf_config
+    carried_prefixes: tuple[str, ...] = ()
+    """HF tensors the native model does not hold that an export copies from the folder it
+    was loaded from, untouched (Qwen3.5's multi-token-prediction layers, ``mtp.``)."""
 
 
 def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
@@ -85,11 +74,9 @@ def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
     model_type = hf_config.get("model_type")
     specs = [s for s in all_model_specs() if s.hf_adapter is not None]
     for spec in specs:
-        if model_type in spec.hf_adapter.model_types + spec.hf_adapter.multimodal_types:
+        if model_type in spec.hf_adapter.model_types:
             return spec
-    supported = sorted(
-        t for s in specs for t in s.hf_adapter.model_types + s.hf_adapter.multimodal_types
-    )
+    supported = sorted(t for s in specs for t in s.hf_adapter.model_types)
     raise ValueError(
         f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(supported)}"
     )
@@ -102,7 +89,7 @@ def read_hf_args(folder: str | os.PathLike[str]) -> tuple[ModelSpec, Any]:
     hf_config = read_json(path, "HF model config")
     spec = find_hf_family(hf_config, path)
     try:
-        args = spec.hf_adapter.args_from_hf(text_config(hf_config, spec.hf_adapter))
+        args = spec.hf_adapter.args_from_hf(hf_config)
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: cannot read a {spec.name} config: {err}") from err
     return spec, spec.hf_adapter.fit_to_folder(args, set(open_tensors(folder).keys()))
@@ -159,9 +146,6 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """
     tensors = open_tensors(folder)
     rules = _rules_of(model)
-    hf_config = read_json(Path(folder) / "config.json", "HF model config")
-    if hf_config.get("model_type") in adapter_of(model).multimodal_types:
-        rules = [dataclasses.replace(r, hf=tuple(map(_nested, r.hf))) for r in rules]
     params = _named_tensors(model)
     missing, wrong = [], []
     for rule in rules:
@@ -202,16 +186,26 @@ def save_hf(
     extra_config: dict[str, Any] | None = None,
     generation_config: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    carry_from: str | os.PathLike[str] | None = None,
 ) -> None:
     """Write safetensors shards, config.json and generation_config.json for `model`.
 
     `extra_config` adds fields the args do not carry (token ids, say); generation_config.json
-    takes config.json's token ids, then `generation_config`'s fields. A sharded
-    model must be gathered first (`full_tensor`); this writes what the process holds.
+    takes config.json's token ids, then `generation_config`'s fields. `carry_from` (the HF
+    folder the model came from) gives the tensors the family carries without modelling them
+    (``HFAdapter.carried_prefixes``), copied as they are. A sharded model must be gathered
+    first (`full_tensor`); this writes what the process holds.
     """
     adapter = adapter_of(model)
     folder = Path(path)
-    write_safetensors(folder, dict(hf_named_tensors(model)), max_shard_bytes)
+    tensors = dict(hf_named_tensors(model))
+    if carry_from is not None and adapter.carried_prefixes:
+        source = open_tensors(carry_from)
+        names = source.keys()
+        for key in names:
+            if key.startswith(adapter.carried_prefixes) and key not in tensors:
+                tensors[key] = source.read(key)
+    write_safetensors(folder, tensors, max_shard_bytes)
     dtype = next(model.parameters()).dtype
     config = {**adapter.args_to_hf(model.args), **(extra_config or {})}
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -240,11 +234,6 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yielded.add(rule.native)
         parts = [value] if len(rule.hf) == 1 else list(value.unbind(0))
         yield from zip(rule.hf, parts, strict=True)
-
-
-def _nested(key: str) -> str:
-    """An HF language-model key as a vision-language checkpoint names it."""
-    return MULTIMODAL_PREFIX + key.removeprefix("model.") if key.startswith("model.") else key
 
 
 def hf_module_names(model: nn.Module) -> dict[str, str]:

@@ -21,6 +21,7 @@ from temper.data.batch import (
     SEQUENCE_SHARD,
     Batch,
     SequenceShard,
+    model_inputs,
 )
 from temper.kernels.attention import DocumentMask
 from temper.kernels.cross_entropy import (
@@ -77,9 +78,10 @@ class CausalLM:
         labels = batch["labels"]
         args = (batch["input_ids"], batch.get("position_ids"), documents(batch))
         shard = batch.get(SEQUENCE_SHARD)
+        media = model_inputs(batch)  # a vision-language batch's images and positions
         kernels = kernel_settings()
         if kernels.fused_cross_entropy and _weight_only_head(model):
-            hidden = model.hidden_states(*args, shard=shard)
+            hidden = model.hidden_states(*args, shard=shard, **media)
             loss_sum, z_sum = linear_cross_entropy(
                 hidden,
                 model.output.weight,
@@ -88,7 +90,7 @@ class CausalLM:
                 kernels.chunk_tokens(hidden.device),
             )
         else:
-            log_probs, lse = log_probs_from_logits(model(*args, shard=shard), labels)
+            log_probs, lse = log_probs_from_logits(model(*args, shard=shard, **media), labels)
             z_sum = lse[labels != IGNORE_INDEX].pow(2).sum()
             loss_sum = -log_probs.sum() + self.z_loss_weight * z_sum
         n_tokens = count_tokens(batch)

@@ -25,7 +25,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, SEQUENCE_SHARD, Batch, SequenceShard
+from temper.data.batch import (
+    DOCUMENT_POSITIONS,
+    FUSION_INPUT_IDS,
+    IGNORE_INDEX,
+    SEQUENCE_SHARD,
+    Batch,
+    SequenceShard,
+)
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.attention import attention as causal_attention
 from temper.models.fit import check_heads, check_linear_attention_heads, check_mtp
@@ -38,6 +45,9 @@ PAD_POSITION = -1
 PREFERENCE_SIDES = ("chosen_", "rejected_")
 """The field prefixes of a DPO batch's two sequences."""
 
+VISION_FIELDS = ("rope_position_ids", "pixel_values", "image_grid_thw")
+"""A vision-language batch's fields that are not [b, s] token fields; see ``shard_batch``."""
+
 
 def shard_batch(
     batch: Batch, rank: int, size: int, group: dist.ProcessGroup | None = None
@@ -49,7 +59,11 @@ def shard_batch(
     ``input_ids``, ``labels``, ``position_ids`` and any other [b, s] field (zero-padded) are
     sliced, [b] fields are kept whole, and ``SEQUENCE_SHARD`` holds
     the slice's ``SequenceShard`` (the padded length; how many of its tokens are real) for
-    the decoder. For packed rows the padded global positions go to ``DOCUMENT_POSITIONS``,
+    the decoder. A vision-language batch's images stay whole (every SP rank runs the tower on
+    all of them) with the whole sequence's ids (``FUSION_INPUT_IDS``): the model fuses the
+    image features into the whole sequence and keeps its slice, so the slice is taken after
+    fusion; its multimodal positions are sliced like the tokens.
+    For packed rows the padded global positions go to ``DOCUMENT_POSITIONS``,
     from which the objective builds the document mask that attention (which sees the whole
     sequence) needs. Without ``position_ids`` the rows are continuous sequences at positions
     0..s-1: they need no mask (the padding comes last, and causal order hides it), so
@@ -77,15 +91,27 @@ def shard_batch(
     # Other per-token fields (a rollout's old log-probabilities) are sliced with the tokens;
     # per-row ones ([b]: advantages) go to every slice.
     for key, t in batch.items():
-        if key not in padded:
+        if key not in padded and key not in VISION_FIELDS:
             padded[key] = F.pad(t, (0, pad)) if t.shape[:2] == (b, s) else t
     local = (s + pad) // size
+    start = rank * local
     shard = {
-        key: t[:, rank * local : (rank + 1) * local] if t.shape[:2] == (b, s + pad) else t
+        key: t[:, start : start + local] if t.shape[:2] == (b, s + pad) else t
         for key, t in padded.items()
     }
     shard[DOCUMENT_POSITIONS] = padded["position_ids"] if packed is not None else positions[:0]
-    shard[SEQUENCE_SHARD] = SequenceShard(s + pad, min(max(s - rank * local, 0), local), group)
+    shard[SEQUENCE_SHARD] = SequenceShard(
+        s + pad, min(max(s - start, 0), local), group=group, start=start
+    )
+    if "rope_position_ids" in batch:  # a vision-language batch: see below
+        rope = F.pad(batch["rope_position_ids"], (0, pad))
+        shard["rope_position_ids"] = rope[..., start : start + local]
+    if "pixel_values" in batch:
+        shard["pixel_values"], shard["image_grid_thw"] = (
+            batch["pixel_values"],
+            batch["image_grid_thw"],
+        )
+        shard[FUSION_INPUT_IDS] = padded["input_ids"]
     return shard
 
 

@@ -15,7 +15,6 @@ import torch
 from hf_parity import check_forward_and_grads, check_round_trip, randomize_norms
 from transformers import (
     AutoModelForCausalLM,
-    AutoModelForImageTextToText,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen3_5MoeTextConfig,
@@ -24,7 +23,7 @@ from transformers import (
 )
 
 from temper.generation import generate
-from temper.models import load_hf, save_hf
+from temper.models import load_hf
 from temper.models.qwen3_5 import Qwen3_5Transformer
 from temper.models.qwen3_5_moe import Qwen3_5MoeTransformer
 from temper.models.qwen3_next import Qwen3NextTransformer
@@ -170,36 +169,3 @@ def test_greedy_equals_transformers_generate(case: str, tmp_path: Path) -> None:
             ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
         )
     assert ours.tokens.tolist() == theirs[:, width:].tolist()
-
-
-def test_vision_language_folder_trains_its_language_model(tmp_path: Path) -> None:
-    """A Qwen3.5-MoE vision-language folder (`Qwen3_5MoeForConditionalGeneration`, the released
-    checkpoints' class: `text_config` + `vision_config`, weights under
-    `model.language_model.`): `load_hf` builds the language model with its weights, whose
-    logits on text equal the full model's; the export is the language model alone, which
-    `Qwen3_5MoeForCausalLM` loads (the vision tower is not carried through)."""
-    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM
-
-    text = CASES["qwen3_5_moe_pattern"][0].to_dict()
-    vision = {
-        "depth": 1,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": text["hidden_size"],
-        "num_position_embeddings": 16,
-    }
-    torch.manual_seed(0)
-    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision)
-    hf = AutoModelForImageTextToText.from_config(config).eval()
-    randomize_norms(hf)
-    hf.save_pretrained(tmp_path / "vlm")
-    native = load_hf(tmp_path / "vlm")
-    assert type(native) is Qwen3_5MoeTransformer
-    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = hf(input_ids=ids).logits
-        torch.testing.assert_close(native(ids), want, rtol=1e-5, atol=1e-5)
-        save_hf(native, tmp_path / "out")
-        reloaded = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
-        torch.testing.assert_close(reloaded(ids).logits, want, rtol=1e-5, atol=1e-5)

@@ -174,16 +174,22 @@ class Decoder(nn.Module):
         docs: DocumentMask | None,
         cache: KVCache | None,
         shard: SequenceShard | None,
+        embeddings: torch.Tensor | None = None,
+        rope_position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden_states``'s body, which ``forward`` calls too: FSDP2 wraps the public method
         in its root hooks (the fused loss calls it alone), and forward already runs inside
-        them; calling the wrapped method from forward would enter them twice."""
+        them; calling the wrapped method from forward would enter them twice.
+
+        A vision-language model passes its fused ``embeddings`` (image features in place of
+        image tokens) and multimodal ``rope_position_ids`` [3, b, s]; ``position_ids`` then
+        still find the packed documents."""
         start = 0 if cache is None else cache.length
         if position_ids is None:
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None]
-        cos, sin = self.rope(position_ids)
-        h = self.tok_embeddings(input_ids)
+        cos, sin = self.rope(position_ids if rope_position_ids is None else rope_position_ids)
+        h = self.tok_embeddings(input_ids) if embeddings is None else embeddings
         seq_len, valid_len = input_ids.shape[1], None
         if shard is not None:
             seq_len, valid_len = shard.seq_len, shard.valid_len

@@ -32,7 +32,6 @@ def key_rules(args: Qwen3_5Args) -> list[KeyRule]:
 
 ADAPTER = HFAdapter(
     model_types=("qwen3_5_text",),
-    multimodal_types=("qwen3_5",),
     args_from_hf=args_from_hf,
     args_to_hf=args_to_hf,
     key_rules=key_rules,

@@ -37,7 +37,6 @@ def key_rules(args: Qwen3_5MoeArgs) -> list[KeyRule]:
 
 ADAPTER = HFAdapter(
     model_types=("qwen3_5_moe_text",),
-    multimodal_types=("qwen3_5_moe",),
     args_from_hf=args_from_hf,
     args_to_hf=args_to_hf,
     key_rules=key_rules,

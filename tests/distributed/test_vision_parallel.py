@@ -1,0 +1,140 @@
+"""Vision-language training under SP, FSDP2 and EP equals one process (gloo, CPU).
+
+``test_sp_image_batch_equals_one_process`` (fast): packed rows of the built-in image task,
+45 tokens padded to 46 over 2 SP ranks: the images are fused into the whole sequence, then
+sliced; every real token's loss term and every parameter's gradient (the tower's included)
+equal one process's on the whole batch.
+
+``test_layouts_train_like_one_process`` (slow): the debug VLM recipes at FSDP 2, SP 2 and
+SP 2 x EP 2 (the MoE language model): every step's loss and gradient norm over 5 steps
+within 1e-5 relative of one process training the same global micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from harness import run_on_ranks
+from training import SINGLE, Layout, assert_same_metrics, parity_config
+from training import train as train_layout
+
+from temper.config import Config
+from temper.recipes.vision import qwen3_5_moe_vl_debug, qwen3_5_vl_debug
+
+FSDP2 = Layout("fsdp2", world=2, local_batch=4)
+SP2 = Layout("sp2", world=2, local_batch=4, parallelism={"sp": 2})
+SP2_EP2 = Layout("sp2_ep2", world=2, local_batch=4, parallelism={"sp": 2, "ep": 2})
+CASES = [(qwen3_5_vl_debug, FSDP2), (qwen3_5_vl_debug, SP2), (qwen3_5_moe_vl_debug, SP2_EP2)]
+
+
+def test_sp_image_batch_equals_one_process() -> None:
+    got, want = run_on_ranks(_sp_rank, 2)[0]
+    assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=1e-6)
+    assert got["grads"].keys() == want["grads"].keys()
+    assert any(name.startswith("visual.") for name in got["grads"])
+    for name, grad in got["grads"].items():
+        scale = want["grads"][name].abs().max().item()
+        assert scale > 0, name  # every weight, the tower's included, gets a gradient
+        torch.testing.assert_close(grad, want["grads"][name], rtol=1e-5, atol=1e-5 * scale)
+
+
+def _sp_rank() -> tuple[dict[str, Any], dict[str, Any]] | None:
+    import torch.distributed as dist
+
+    from temper.config import Data
+    from temper.data.multimodal import build_image_dataset, collate
+    from temper.data.tokenizer import load_tokenizer
+    from temper.models import build_model, materialize
+    from temper.objectives import CausalLM
+    from temper.parallel.ulysses import SequenceParallel
+    from temper.utils.device import init_runtime
+
+    init_runtime()
+    torch.manual_seed(0)
+    reference = materialize(build_model("qwen3_5_vl", "debug"), "cpu")
+    model = build_model("qwen3_5_vl", "debug")
+    sp = SequenceParallel(dist.group.WORLD)
+    sp.apply(model)
+    model = materialize(model, "cpu")
+    model.load_state_dict(reference.state_dict())
+
+    data = Data(format="sft", builtin_images=True, builtin_examples=8)
+    rows = build_image_dataset(
+        data, load_tokenizer(None), 45, seed=0, dp_rank=0, dp_world=1, folder=None
+    )
+    stream = iter(rows)
+    batch = collate([next(stream), next(stream)])
+    assert len(batch["image_grid_thw"]) >= 3  # several images in a packed row
+
+    def run(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        loss, _, _ = CausalLM().loss(model, batch)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            if model is not reference:
+                dist.all_reduce(grad)
+            grads[name] = grad
+        return {"loss": loss.detach(), "grads": grads}
+
+    got = run(model, sp.shard(batch))
+    dist.all_reduce(got["loss"])
+    want = run(reference, batch)
+    dist.barrier()
+    return (got, want) if dist.get_rank() == 0 else None
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, Any]:
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("recipe", "layout"), CASES, ids=[f"{r.__name__}-{layout.name}" for r, layout in CASES]
+)
+def test_layouts_train_like_one_process(
+    recipe: Callable[[], Config],
+    layout: Layout,
+    tmp_path_factory: pytest.TempPathFactory,
+    references: dict[str, Any],
+) -> None:
+    folder = tmp_path_factory.mktemp(recipe.__name__)
+
+    def config(layout: Layout) -> Config:
+        c = parity_config(recipe, folder, layout)
+        c.training.seq_len = 48
+        c.data.builtin_examples = 96
+        return c
+
+    if recipe.__name__ not in references:
+        references[recipe.__name__] = train_layout(config(SINGLE), SINGLE)
+    run = train_layout(config(layout), layout)
+    assert_same_metrics(run.rows, references[recipe.__name__].rows)
+
+
+def test_sp_slices_keep_the_images_whole() -> None:
+    """7 tokens over 2 ranks: each slice has all the pixels and grids, the whole padded ids
+    for fusion and its part of the multimodal positions."""
+    from temper.data.batch import FUSION_INPUT_IDS, SEQUENCE_SHARD
+    from temper.parallel.ulysses import shard_batch
+
+    ids = torch.arange(7)[None]
+    batch = {
+        "input_ids": ids,
+        "labels": ids,
+        "pixel_values": torch.randn(16, 8),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "rope_position_ids": torch.arange(21).view(3, 1, 7),
+    }
+    for rank in range(2):
+        shard = shard_batch(batch, rank, 2)
+        assert shard["pixel_values"] is batch["pixel_values"]
+        assert shard["image_grid_thw"] is batch["image_grid_thw"]
+        assert shard[FUSION_INPUT_IDS].tolist() == [[0, 1, 2, 3, 4, 5, 6, 0]]
+        assert shard[SEQUENCE_SHARD].start == 4 * rank
+        want = torch.nn.functional.pad(batch["rope_position_ids"], (0, 1))[..., 4 * rank :][..., :4]
+        assert torch.equal(shard["rope_position_ids"], want)
