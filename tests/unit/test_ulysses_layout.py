@@ -40,7 +40,11 @@ def test_shards_say_the_padded_length_and_their_real_tokens() -> None:
     real tokens; 9 tokens over 4 ranks pad to 12, and the last slice is padding only."""
     batch = {"input_ids": torch.ones(2, 7, dtype=torch.long), "labels": torch.ones(2, 7)}
     shards = [shard_batch(batch, rank, 3)[SEQUENCE_SHARD] for rank in range(3)]
-    assert shards == [SequenceShard(9, 3, start=0), SequenceShard(9, 3, start=3), SequenceShard(9, 1, start=6)]
+    assert shards == [
+        SequenceShard(9, 3, start=0),
+        SequenceShard(9, 3, start=3),
+        SequenceShard(9, 1, start=6),
+    ]
     batch = {key: torch.ones(1, 9) for key in ("input_ids", "labels")}
     shards = [shard_batch(batch, rank, 4)[SEQUENCE_SHARD] for rank in range(4)]
     assert [s.valid_len for s in shards] == [3, 3, 3, 0] and shards[0].seq_len == 12
