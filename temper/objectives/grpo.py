@@ -35,6 +35,7 @@ from temper.generation import generate
 from temper.generation.sampling import check_sampling
 from temper.kernels.cross_entropy import log_probs_from_logits
 from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.policy_loss import LossName, PolicyLoss, overlong_penalty
 from temper.objectives.registry import (
     Metrics,
     Objective,
@@ -43,36 +44,10 @@ from temper.objectives.registry import (
     register_objective,
 )
 from temper.objectives.rewards import Reward, exact_match, get_reward, reward_names
-
-ADVANTAGE_EPS = 1e-4
-"""Added to a group's reward std: a group whose rewards all agree gets advantage 0."""
+from temper.objectives.rollout_metrics import rollout_signal_metrics
 
 LOGITS_BUDGET = 2**28
 """fp32 logits elements per no-grad forward chunk of a rollout (1 GiB)."""
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """rewards [prompts * group_size], grouped consecutively -> advantages of the same shape:
-    each reward minus its group's mean, over the group's (unbiased) standard deviation."""
-    groups = rewards.view(-1, group_size)
-    mean = groups.mean(dim=1, keepdim=True)
-    std = groups.std(dim=1, keepdim=True)
-    return ((groups - mean) / (std + ADVANTAGE_EPS)).view(-1)
-
-
-def clipped_token_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO loss [b, s] for per-row advantages [b], and where the clip decided it
-    (the clipped term was smaller, so the token gives no gradient)."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    adv = advantages[:, None]
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
 def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
@@ -103,7 +78,28 @@ class GRPOConfig(ObjectiveConfig):
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward; empty = all 1."""
     clip_eps: float = 0.2
-    """The importance ratio is clipped to [1 - eps, 1 + eps] (PPO)."""
+    """The importance ratio is clipped to [1 - clip_eps, 1 + clip_high] (PPO)."""
+    clip_high: float | None = None
+    """The upper clip; None = clip_eps (symmetric). DAPO's clip-higher: 0.28."""
+    loss: LossName = "grpo"
+    """grpo (per-token ratio, token-level mean), gspo (per-completion ratio and mean) or
+    dr_grpo (no std division, constant normalizer); see docs/post-training.md."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weigh each token by min(exp(old - sampler), cap),
+    the trainer's old log-prob against the sampler's; None = off."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: completions longer than max_new_tokens minus this
+    lose up to overlong_penalty reward, linearly; 0 = off."""
+    overlong_penalty: float = 1.0
+    """The reward lost by a completion of max_new_tokens tokens (with overlong_buffer)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards all agree and refill the batch
+    with more prompts' rollouts."""
+    dynamic_sampling_draws: int = 4
+    """The most prompt micro-batches one rollout micro-batch samples to fill itself (with
+    dynamic_sampling); a batch still short after them keeps what it found."""
+    accuracy_reward: str = "exact_match"
+    """The registered reward reported as the rollout's `accuracy` metric (1 = right)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the reference model; 0 builds no reference."""
     updates_per_rollout: int = 1
@@ -138,6 +134,7 @@ class GRPOConfig(ObjectiveConfig):
         except ValueError as error:
             raise ConfigError(f"objective.{error}") from None
         check_range(config, "objective.clip_eps", 0.0, 1.0, right_open=True)
+        self._validate_variants(config)
         if self.kl_coef < 0:
             raise ConfigError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
         if not self.rewards:
@@ -153,6 +150,29 @@ class GRPOConfig(ObjectiveConfig):
                 f"objective.reward_weights has {len(self.reward_weights)} values for "
                 f"{len(self.rewards)} objective.rewards"
             )
+
+    def _validate_variants(self, config: Config) -> None:
+        """The loss variants' own settings (see temper/objectives/policy_loss.py)."""
+        if self.clip_high is not None and self.clip_high < 0:
+            raise ConfigError(f"objective.clip_high must be >= 0, got {self.clip_high}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"objective.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if not 0 <= self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigError(
+                f"objective.overlong_buffer must be in [0, objective.max_new_tokens "
+                f"({self.max_new_tokens})], got {self.overlong_buffer}"
+            )
+        check_positive(config, "objective.dynamic_sampling_draws")
+        if self.accuracy_reward not in reward_names():
+            raise ConfigError(
+                f"objective.accuracy_reward: {self.accuracy_reward!r} not registered; choose "
+                f"from {', '.join(reward_names())}"
+            )
+
+    def policy_loss(self) -> PolicyLoss:
+        """The loss ``objective.loss`` names, with its clip range."""
+        high = self.clip_eps if self.clip_high is None else self.clip_high
+        return PolicyLoss(self.loss, self.clip_eps, high, self.tis_cap, self.max_new_tokens)
 
     def completion_tokens(self) -> int:
         return self.max_new_tokens
@@ -174,6 +194,9 @@ class GRPOConfig(ObjectiveConfig):
             clip_eps=self.clip_eps,
             kl_coef=self.kl_coef,
             updates_per_rollout=self.updates_per_rollout,
+            policy_loss=self.policy_loss(),
+            overlong=(self.overlong_buffer, self.overlong_penalty),
+            accuracy=get_reward(self.accuracy_reward),
             **(reference_policy(config, build_reference) if self.kl_coef else {}),
         )
 
@@ -198,6 +221,9 @@ class GRPO:
         updates_per_rollout: int,
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
+        policy_loss: PolicyLoss | None = None,
+        overlong: tuple[int, float] = (0, 1.0),
+        accuracy: Reward = exact_match,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
@@ -210,15 +236,20 @@ class GRPO:
         self.loss_temperature = temperature if temperature > 0 else 1.0
         self.top_k = top_k
         self.top_p = top_p
-        self.clip_eps = clip_eps
         self.kl_coef = kl_coef
         self.updates_per_rollout = updates_per_rollout
         self.reference = reference
         self.reference_mode = reference_mode
+        self.policy_loss = policy_loss or PolicyLoss(
+            clip_low=clip_eps, clip_high=clip_eps, max_new_tokens=max_new_tokens
+        )
+        self.overlong = overlong
+        """(buffer, penalty) of the soft overlong punishment; buffer 0 = off."""
+        self.accuracy = accuracy
 
     def count(self, batch: Batch) -> torch.Tensor:
-        """Completion tokens: the unit the loss is averaged over."""
-        return (batch["labels"] != IGNORE_INDEX).sum()
+        """The unit the loss is averaged over: completion tokens (see ``PolicyLoss.count``)."""
+        return self.policy_loss.count(batch["labels"] != IGNORE_INDEX)
 
     @torch.no_grad()
     def prepare(
@@ -254,13 +285,15 @@ class GRPO:
         answers = [decode_answer(a) for a in prompts["answer_ids"]]
         texts = out.texts(self.tokenizer.decode, self.stop_tokens)
         scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, answers)
-        rewards = scores["reward"]
+        rewards = scores["reward"] + self._overlong_penalty(out.lengths.cpu())
         batch = {
             "input_ids": input_ids,
             "labels": labels,
             "old_log_probs": old,
-            "advantages": group_advantages(rewards, self.group_size).to(input_ids.device),
+            "advantages": self.policy_loss.advantages(rewards, self.group_size).to(old.device),
         }
+        if self.policy_loss.tis_cap is not None:
+            batch["sampler_log_probs"] = sampler
         if self.kl_coef:
             batch["ref_log_probs"] = self._reference_log_probs(model, input_ids, labels)
         n_tokens = completion.sum().clamp(min=1)
@@ -272,7 +305,8 @@ class GRPO:
             "entropy": (entropy[completion].sum() / n_tokens).item(),
             "logprob_diff_max": (sampler - old)[completion].abs().max().item(),
         }
-        return batch, metrics
+        signal = rollout_signal_metrics(rewards, self.group_size, sampler, old, completion)
+        return batch, metrics | signal
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         labels = batch["labels"]
@@ -280,16 +314,18 @@ class GRPO:
         log_probs = label_log_probs(
             model, batch["input_ids"], labels, temperature=self.loss_temperature
         )
-        per_token, clipped = clipped_token_loss(
-            log_probs, batch["old_log_probs"], batch["advantages"], self.clip_eps
+        loss, metrics = self.policy_loss(
+            log_probs,
+            batch["old_log_probs"],
+            batch["advantages"],
+            completion,
+            batch.get("sampler_log_probs"),
         )
-        n_tokens = completion.sum().clamp(min=1)
-        metrics = {"clip_fraction": (clipped & completion).sum() / n_tokens}
         if self.kl_coef:
             kl = k3_kl(log_probs, batch["ref_log_probs"])
-            per_token = per_token + self.kl_coef * kl
-            metrics["kl"] = kl.detach()[completion].sum() / n_tokens
-        return per_token[completion].sum(), self.count(batch), metrics
+            loss = loss + self.kl_coef * self.policy_loss.reduce(kl, completion)
+            metrics["kl"] = kl.detach()[completion].sum() / completion.sum().clamp(min=1)
+        return loss, self.count(batch), metrics
 
     def _score(
         self, prompts: list[str], completions: list[str], answers: list[str]
@@ -302,7 +338,7 @@ class GRPO:
             answer = answers[i // self.group_size]
             for k, reward in enumerate(self.rewards.values()):
                 per_reward[k, i] = reward(prompt, text, answer)
-            accuracy[i] = exact_match(prompt, text, answer)
+            accuracy[i] = self.accuracy(prompt, text, answer)
         weights = torch.tensor(self.reward_weights)
         scores = {"reward": weights @ per_reward}
         if len(self.rewards) > 1:
@@ -310,6 +346,13 @@ class GRPO:
                 f"reward_{name}": row for name, row in zip(self.rewards, per_reward, strict=True)
             }
         return scores | {"accuracy": accuracy}
+
+    def _overlong_penalty(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Each completion's soft overlong punishment (0 when ``overlong`` is off)."""
+        buffer, penalty = self.overlong
+        if not buffer:
+            return torch.zeros(lengths.shape)
+        return overlong_penalty(lengths, self.max_new_tokens, buffer, penalty)
 
     def _reference_log_probs(
         self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor

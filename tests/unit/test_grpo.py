@@ -18,15 +18,8 @@ from temper.data.prompts import decode_answer, prompt_dataset, read_prompt_recor
 from temper.data.tokenizer import load_tokenizer
 from temper.models import build_model, materialize
 from temper.objectives.causal_lm import label_log_probs
-from temper.objectives.grpo import (
-    ADVANTAGE_EPS,
-    GRPO,
-    GRPOConfig,
-    clipped_token_loss,
-    group_advantages,
-    k3_kl,
-    rollout_rows,
-)
+from temper.objectives.grpo import GRPO, GRPOConfig, k3_kl, rollout_rows
+from temper.objectives.policy_loss import ADVANTAGE_EPS, clipped_loss, group_advantages
 from temper.objectives.rewards import exact_match, item_match, list_format, register_reward
 
 
@@ -42,7 +35,7 @@ def test_clipped_loss_and_k3_by_hand() -> None:
     old = torch.zeros(2, 3)
     new = torch.log(torch.tensor([[1.0, 1.5, 0.5], [1.0, 1.5, 0.5]]))
     adv = torch.tensor([2.0, -1.0])
-    loss, clipped = clipped_token_loss(new, old, adv, clip_eps=0.2)
+    loss, clipped = clipped_loss(torch.exp(new - old), adv[:, None], 0.2, 0.2)
     # A > 0: min(r A, clip(r) A) caps r at 1.2; A < 0: it floors r at 0.8.
     want = torch.tensor([[-2.0, -2.4, -1.0], [1.0, 1.5, 0.8]])
     torch.testing.assert_close(loss, want)
