@@ -197,6 +197,7 @@ class GRPOConfig(ObjectiveConfig):
             policy_loss=self.policy_loss(),
             overlong=(self.overlong_buffer, self.overlong_penalty),
             accuracy=get_reward(self.accuracy_reward),
+            sampling_draws=self.dynamic_sampling_draws if self.dynamic_sampling else 1,
             **(reference_policy(config, build_reference) if self.kl_coef else {}),
         )
 
@@ -224,6 +225,7 @@ class GRPO:
         policy_loss: PolicyLoss | None = None,
         overlong: tuple[int, float] = (0, 1.0),
         accuracy: Reward = exact_match,
+        sampling_draws: int = 1,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
@@ -246,6 +248,8 @@ class GRPO:
         self.overlong = overlong
         """(buffer, penalty) of the soft overlong punishment; buffer 0 = off."""
         self.accuracy = accuracy
+        self.sampling_draws = sampling_draws
+        """Prompt micro-batches a rollout micro-batch may sample (dynamic sampling; 1 = off)."""
 
     def count(self, batch: Batch) -> torch.Tensor:
         """The unit the loss is averaged over: completion tokens (see ``PolicyLoss.count``)."""

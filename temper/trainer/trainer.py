@@ -19,6 +19,7 @@ from temper.data.batch import Batch
 from temper.data.tasks import build_loader
 from temper.engine import Engine, NonFiniteError
 from temper.objectives import Objective, RolloutObjective, build_objective
+from temper.objectives.dynamic_sampling import DynamicSampling, Rollout, fill_rollout
 from temper.parallel.collectives import all_reduce_sum, combine_metrics
 from temper.trainer.console import (
     StopRequest,
@@ -196,10 +197,7 @@ class Trainer:
             if offload:
                 engine.offload_optimizer()
             try:
-                results = [
-                    objective.prepare(engine.model, mb, self._sampler(first + j))
-                    for j, mb in enumerate(prompts)
-                ]
+                results = [self._rollout(mb, batches, first + j) for j, mb in enumerate(prompts)]
             finally:
                 if offload:
                     engine.restore_optimizer()
@@ -207,9 +205,27 @@ class Trainer:
             state.rollout = [batch for batch, _ in results], metrics
         return state.rollout
 
-    def _sampler(self, index: int) -> torch.Generator:
-        key = f"{self.config.training.seed}:{self.state.step}:{index}".encode()
-        seed = int.from_bytes(hashlib.sha256(key).digest()[:7], "little")
+    def _rollout(self, prompts: Batch, batches: Iterator[Batch], index: int) -> Rollout:
+        """One micro-batch's rollout; with dynamic sampling, refilled from further prompt
+        micro-batches (see ``temper.objectives.dynamic_sampling``)."""
+        objective, model = self.objective, self.engine.model
+        if not isinstance(objective, DynamicSampling) or objective.sampling_draws == 1:
+            return objective.prepare(model, prompts, self._sampler(index))
+        return fill_rollout(
+            lambda mb, generator: objective.prepare(model, mb, generator),
+            prompts,
+            lambda: self.engine.prepare_batch(next(batches)),
+            lambda draw: self._sampler(index, draw),
+            objective.group_size,
+            objective.sampling_draws,
+        )
+
+    def _sampler(self, index: int, draw: int = 0) -> torch.Generator:
+        """Micro-batch ``index``'s sampler; a dynamic-sampling refill ``draw`` > 0 gets its own."""
+        key = f"{self.config.training.seed}:{self.state.step}:{index}" + (
+            f":{draw}" if draw else ""
+        )
+        seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "little")
         return torch.Generator(self.engine.device).manual_seed(seed)
 
 
