@@ -29,7 +29,7 @@ from torch import nn
 from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, check_range
 from temper.data.batch import IGNORE_INDEX, Batch
 from temper.data.chat import load_chat_template, stop_token_ids
-from temper.data.prompts import decode_answer
+from temper.data.prompts import decode_record
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.generation import generate
 from temper.generation.sampling import check_sampling
@@ -43,7 +43,7 @@ from temper.objectives.registry import (
     reference_policy,
     register_objective,
 )
-from temper.objectives.rewards import Reward, exact_match, get_reward, reward_names
+from temper.objectives.rewards import Record, Reward, exact_match, get_reward, reward_names
 from temper.objectives.rollout_metrics import rollout_signal_metrics
 
 LOGITS_BUDGET = 2**28
@@ -286,9 +286,9 @@ class GRPO:
         sampler = torch.zeros_like(old)
         sampler[completion] = out.log_probs[_completion_mask(out.lengths, self.max_new_tokens)]
 
-        answers = [decode_answer(a) for a in prompts["answer_ids"]]
+        records = [decode_record(r) for r in prompts["record_ids"]]
         texts = out.texts(self.tokenizer.decode, self.stop_tokens)
-        scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, answers)
+        scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, records)
         rewards = scores["reward"] + self._overlong_penalty(out.lengths.cpu())
         batch = {
             "input_ids": input_ids,
@@ -332,17 +332,17 @@ class GRPO:
         return loss, self.count(batch), metrics
 
     def _score(
-        self, prompts: list[str], completions: list[str], answers: list[str]
+        self, prompts: list[str], completions: list[str], records: list[Record]
     ) -> dict[str, torch.Tensor]:
-        """Per completion (on CPU): the weighted reward sum, each reward, and exact-match
-        accuracy."""
+        """Per completion (on CPU): the weighted reward sum, each reward, and the accuracy
+        reward's value."""
         per_reward = torch.zeros(len(self.rewards), len(completions))
         accuracy = torch.zeros(len(completions))
         for i, (prompt, text) in enumerate(zip(prompts, completions, strict=True)):
-            answer = answers[i // self.group_size]
+            record = records[i // self.group_size]
             for k, reward in enumerate(self.rewards.values()):
-                per_reward[k, i] = reward(prompt, text, answer)
-            accuracy[i] = self.accuracy(prompt, text, answer)
+                per_reward[k, i] = reward(prompt, text, record)
+            accuracy[i] = self.accuracy(prompt, text, record)
         weights = torch.tensor(self.reward_weights)
         scores = {"reward": weights @ per_reward}
         if len(self.rewards) > 1:
