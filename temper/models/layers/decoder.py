@@ -178,8 +178,8 @@ class Decoder(nn.Module):
         """``hidden_states``'s body, which ``forward`` calls too: FSDP2 wraps the public method
         in its root hooks (the fused loss calls it alone), and forward already runs inside
         them; calling the wrapped method from forward would enter them twice."""
-        start = 0 if cache is None else cache.length
         if position_ids is None:
+            start = 0 if cache is None else cache.length
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None]
         cos, sin = self.rope(position_ids)
