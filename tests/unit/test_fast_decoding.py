@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_generation import PROMPTS, TINY, tiny_model
+
 from temper.generation import decoding, generate
 from temper.models import build_model, materialize
 from temper.models.layers.kv_cache import StaticKVCache
