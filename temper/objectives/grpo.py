@@ -98,6 +98,9 @@ class GRPOConfig(ObjectiveConfig):
     dynamic_sampling_draws: int = 4
     """The most prompt micro-batches one rollout micro-batch samples to fill itself (with
     dynamic_sampling); a batch still short after them keeps what it found."""
+    compile_rollouts: bool = False
+    """Decode rollouts with the compiled static-cache step (`generate(compile=True)`); the
+    first rollout then compiles it. See docs/generation.md."""
     accuracy_reward: str = "exact_match"
     """The registered reward reported as the rollout's `accuracy` metric (1 = right)."""
     kl_coef: float = 0.0
@@ -198,6 +201,7 @@ class GRPOConfig(ObjectiveConfig):
             overlong=(self.overlong_buffer, self.overlong_penalty),
             accuracy=get_reward(self.accuracy_reward),
             sampling_draws=self.dynamic_sampling_draws if self.dynamic_sampling else 1,
+            compile_rollouts=self.compile_rollouts,
             **(reference_policy(config, build_reference) if self.kl_coef else {}),
         )
 
@@ -226,6 +230,7 @@ class GRPO:
         overlong: tuple[int, float] = (0, 1.0),
         accuracy: Reward = exact_match,
         sampling_draws: int = 1,
+        compile_rollouts: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
@@ -249,6 +254,7 @@ class GRPO:
         """(buffer, penalty) of the soft overlong punishment; buffer 0 = off."""
         self.accuracy = accuracy
         self.sampling_draws = sampling_draws
+        self.compile_rollouts = compile_rollouts
         """Prompt micro-batches a rollout micro-batch may sample (dynamic sampling; 1 = off)."""
 
     def count(self, batch: Batch) -> torch.Tensor:
@@ -277,6 +283,7 @@ class GRPO:
             stop_tokens=self.stop_tokens,
             generator=generator,
             return_log_probs=True,
+            compile=self.compile_rollouts,
         )
         model.train(was_training)
 

@@ -30,7 +30,7 @@ from temper.trainer.console import (
     stopped_line,
     summary_line,
 )
-from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
+from temper.trainer.metrics import MetricsLogger, RolloutClock, Throughput, peak_memory_gib
 from temper.trainer.state import TrainState
 from temper.utils.device import Runtime, init_runtime
 from temper.utils.peak_flops import peak_flops
@@ -66,6 +66,7 @@ class Trainer:
             peak_flops=peak_flops(engine.device, engine.dtype),
             total_steps=config.training.steps,
         )
+        self.rollout_clock = RolloutClock(engine.device)
 
     def train(self) -> bool:
         """Run until `training.steps`; metrics every `metrics.log_freq` steps. Returns False
@@ -174,6 +175,8 @@ class Trainer:
         state = self.state
         values = {name: float(value) for name, value in metrics.items()}
         values.update(self.throughput.measure(state.step, self.start_step + 1))
+        if isinstance(self.objective, RolloutObjective):
+            values.update(self.rollout_clock.measure())
         values["memory_gib"] = peak_memory_gib(self.engine.device)
         self.metrics.log(state.step, values)
 
@@ -194,6 +197,7 @@ class Trainer:
             prompts = [engine.prepare_batch(next(batches)) for _ in range(self.grad_accum)]
             first = engine.dims.dp_rank * self.grad_accum
             offload = self.config.optimizer.offload_during_rollout
+            self.rollout_clock.start()
             if offload:
                 engine.offload_optimizer()
             try:
@@ -201,6 +205,7 @@ class Trainer:
             finally:
                 if offload:
                     engine.restore_optimizer()
+                self.rollout_clock.stop()
             metrics = combine_metrics([m for _, m in results], engine.device)
             state.rollout = [batch for batch, _ in results], metrics
         return state.rollout

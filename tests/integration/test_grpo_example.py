@@ -1,6 +1,6 @@
 """examples/grpo_arithmetic.py trains end to end: its reward, from the user's module, gets
 each prompt's whole JSONL record (the task's own ``tolerance`` field too), and the first
-step's logged loss is the on-policy loss worked out from those rewards by hand."""
+step's logged loss and rollout metrics are what those rewards give by hand."""
 
 from __future__ import annotations
 
@@ -65,3 +65,9 @@ def test_the_arithmetic_example_trains_on_its_records_and_reward(tmp_path: Path)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     assert abs(logged[0]["loss"] - want.item()) < 1e-5
     assert logged[0]["reward_mean"] == rewards.mean().item()
+    # The per-rollout metrics: groups without signal by hand, the time split, the gap.
+    agree = (rewards == rewards[:, :1]).all(dim=1).float().mean().item()
+    assert logged[0]["no_signal_groups"] == agree
+    assert 0 < logged[0]["rollout_time_share"] < 1
+    assert logged[0]["rollout_seconds"] > 0 and logged[0]["train_seconds"] > 0
+    assert 0 <= logged[0]["logprob_diff_mean"] <= logged[0]["logprob_diff_max"] < 1e-4

@@ -154,8 +154,9 @@ class StaticLayerCache(LayerCache):
             b, max_len = cache.valid.shape
             self.k = k.new_zeros(b, max_len, *k.shape[2:])
             self.v = v.new_zeros(b, max_len, *v.shape[2:])
-        self.k.index_copy_(1, cache.columns, k)
-        self.v.index_copy_(1, cache.columns, v)
+        # Indexed assignment (index_put_), which the compiler keeps in place.
+        self.k[:, cache.columns] = k
+        self.v[:, cache.columns] = v
         mask = cache.mask
         if window is not None:  # the band by column, as attention's causal_band draws it
             keys = torch.arange(self.k.shape[1], device=q.device)
