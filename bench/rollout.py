@@ -10,7 +10,9 @@ token rows of 8 to 32 tokens, left-padded for transformers (with its attention m
 row decodes exactly ``--new-tokens`` tokens (no stop token). The compiled step is built by a
 warm-up call first, timed apart (``compile_s``); then the three take turns, one call each
 per round, so load from other processes falls on all alike, and each time is the median
-over ``--rounds``. ``same_tokens`` is the share of rows whose greedy tokens equal
+over ``--rounds``. ``--threads`` (1) sets torch's CPU threads: on a machine other
+processes load, OpenMP threads that wait on each other at every op ran one 32-token call
+30x slower than one thread did. ``same_tokens`` is the share of rows whose greedy tokens equal
 transformers' (random weights have near-ties that float rounding may flip late in a row).
 """
 
@@ -61,7 +63,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     native, hf = _models(args.dim, args.layers, args.vocab, args.device, dtype)
     rng = torch.Generator().manual_seed(1)
@@ -109,7 +113,8 @@ def main() -> None:
     base = statistics.median(times["transformers"])
     print(
         f"batch {args.batch} x {new} new tokens, Llama dim {args.dim} x {args.layers} layers, "
-        f"vocab {args.vocab}, {args.device} {args.dtype}; compile_s {compile_s:.1f}"
+        f"vocab {args.vocab}, {args.device} {args.dtype}, {args.threads} threads; "
+        f"compile_s {compile_s:.1f}"
     )
     print("| decoder | seconds | new tokens/s | vs transformers | same_tokens |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -71,3 +71,39 @@ def test_the_arithmetic_example_trains_on_its_records_and_reward(tmp_path: Path)
     assert 0 < logged[0]["rollout_time_share"] < 1
     assert logged[0]["rollout_seconds"] > 0 and logged[0]["train_seconds"] > 0
     assert 0 <= logged[0]["logprob_diff_mean"] <= logged[0]["logprob_diff_max"] < 1e-4
+
+
+def test_dynamic_sampling_draws_more_prompts_until_groups_have_signal(tmp_path: Path) -> None:
+    """The exact sum is rare for a random policy: most groups score 0 alike, so a rollout
+    samples a second micro-batch of new prompts (in the loader's order) unless the first
+    already had two informative groups; the logged draws follow that rule."""
+    argv = [
+        "--job.dump_folder", str(tmp_path), "--metrics.no_tensorboard",
+        "--training.steps", "2", "--training.local_batch_size", "2",
+        "--objective.group_size", "2", "--objective.max_new_tokens", "4",
+        "--objective.rewards", "final_number", "--objective.dynamic_sampling",
+        "--objective.dynamic_sampling_draws", "2",
+    ]  # fmt: skip
+    trainer = Trainer(load_config("examples.grpo_arithmetic", "arithmetic", argv))
+    objective = trainer.objective
+    prompts_seen, informative, sample = [], [], objective.prepare
+
+    def prepare(model, prompts, generator):
+        prompts_seen.append(prompts["record_ids"])
+        batch, metrics = sample(model, prompts, generator)
+        informative.append(int((batch["advantages"].view(-1, 2) != 0).any(dim=1).sum()))
+        return batch, metrics
+
+    objective.prepare = prepare
+    trainer.train()
+    want, call = [], 0
+    for _ in range(2):
+        draws = 1 if informative[call] == 2 else 2
+        want.append(float(draws))
+        call += draws
+    assert call == len(prompts_seen)
+    assert want[0] == 2.0  # the random start rarely states a sum: the refill ran
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [row["sampling_draws"] for row in logged] == want
+    drawn = torch.cat(prompts_seen)
+    assert len({tuple(row.tolist()) for row in drawn}) == len(drawn)  # no prompt twice
