@@ -12,7 +12,10 @@ on. Per completion token, with ``ratio = exp(logp - old)``:
 
 The loss is summed over completion tokens and ``count`` is their number, so the trainer's
 division averages over every token of the step (DAPO's token-level normalization: long
-completions weigh by their length, not as one sample each). The same rollout serves
+completions weigh by their length, not as one sample each). ``objective.loss`` swaps in
+GSPO or Dr. GRPO (``temper.objectives.policy_loss``, with asymmetric clipping and truncated
+importance sampling); DAPO's dynamic sampling is ``temper.objectives.dynamic_sampling``.
+Rewards get each prompt's whole record (``temper.objectives.rewards``). The same rollout serves
 ``updates_per_rollout`` optimizer steps; the first is on-policy (ratio 1), later ones are
 held near the sampling policy by the clip.
 """
@@ -254,8 +257,8 @@ class GRPO:
         """(buffer, penalty) of the soft overlong punishment; buffer 0 = off."""
         self.accuracy = accuracy
         self.sampling_draws = sampling_draws
-        self.compile_rollouts = compile_rollouts
         """Prompt micro-batches a rollout micro-batch may sample (dynamic sampling; 1 = off)."""
+        self.compile_rollouts = compile_rollouts
 
     def count(self, batch: Batch) -> torch.Tensor:
         """The unit the loss is averaged over: completion tokens (see ``PolicyLoss.count``)."""
