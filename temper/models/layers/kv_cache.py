@@ -5,7 +5,8 @@ one column index serves the whole batch. Prompts of different lengths are left-p
 ``valid`` mask over the columns hides the padding. Each layer stores the keys and values its
 attention hands it: rotary GQA stores ``[b, max_len, n_kv_heads, head_dim]``, MLA its
 per-head expanded keys and values (what transformers caches too), which costs more memory than
-the latent but reads the same way as GQA.
+the latent but reads the same way as GQA. ``StaticKVCache`` is the variant with fixed shapes
+that a compiled decode step needs.
 """
 
 from __future__ import annotations
