@@ -48,7 +48,7 @@ def main(argv: Sequence[str] = ()) -> list[float]:
         records = prompts[first : first + per_rank]
         rows, completions, rewards = [], [], []
         model.eval()
-        for index, (messages, answer) in enumerate(records, start=first):
+        for index, (messages, record) in enumerate(records, start=first):
             chat = render_chat(BUILTIN_TEMPLATE, messages, add_generation_prompt=True)
             prompt = torch.tensor(tokenizer.encode(chat), device=engine.device)
             sampler = torch.Generator(engine.device).manual_seed(index)
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] = ()) -> list[float]:
                 model, [prompt] * GROUP, MAX_NEW_TOKENS, 1.0, stop_tokens=stops, generator=sampler
             )
             texts = out.texts(tokenizer.decode, stops)
-            scores = torch.tensor([reward(text, answer) for text in texts])
+            scores = torch.tensor([reward(text, record["answer"]) for text in texts])
             rows += [prompt] * GROUP
             completions.append(out)
             rewards.append(scores - scores.mean())

@@ -68,9 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         stop_tokens=stop_token_ids(tokenizer, template),
     )
-    hits = [exact_match("", got, want) for got, (_, want) in zip(answers, records, strict=True)]
-    for (messages, want), got in list(zip(records, answers, strict=True))[: args.show]:
-        print(f"{messages[-1]['content']!r} -> {got!r} (answer {want!r})")
+    hits = [exact_match("", got, record) for got, (_, record) in zip(answers, records, strict=True)]
+    for (messages, record), got in list(zip(records, answers, strict=True))[: args.show]:
+        print(f"{messages[-1]['content']!r} -> {got!r} (answer {record.get('answer', '')!r})")
     print(f"exact match {sum(hits) / len(hits):.4f} ({int(sum(hits))}/{len(hits)})")
     return 0
 

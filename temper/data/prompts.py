@@ -1,20 +1,24 @@
-"""RL prompts: a question for the policy to answer and the reference answer its reward checks.
+"""RL prompts: a question for the policy to answer, and the record its rewards check.
 
 A JSONL record holds ``prompt`` (a string, taken as a user message, or a message list) and
-``answer`` (a string; the rewards decide what it means, ``""`` when a reward needs none). The
-prompt is rendered with the chat template and its generation prompt (the opening of the
-assistant turn), so the policy's completion is the assistant's answer.
+any other fields a reward needs: ``answer`` (a string when present) for the built-in ones,
+test cases, units, whatever a user's reward reads. The prompt is rendered with the chat
+template and its generation prompt (the opening of the assistant turn), so the policy's
+completion is the assistant's answer.
 
 A row carries ``prompt_ids`` left-padded to ``width`` with ``prompt_mask`` marking the real
-tokens (generation takes prompts ending at the last column), and ``answer_ids``: the
-answer's UTF-8 bytes, padded with -1, so rows stay tensors and the reward gets the exact text
-back. A prompt longer than ``width`` tokens is dropped and counted: cutting a question would
-change it. Order, sharding and resumption are ``ExampleStream``'s.
+tokens (generation takes prompts ending at the last column), and ``record_ids``: the whole
+record as JSON in UTF-8 bytes, padded with -1 to the dataset's longest, so rows stay tensors
+and the reward gets every field back exactly. A prompt longer than ``width`` tokens is
+dropped and counted: cutting a question would change it. Order, sharding and resumption are
+``ExampleStream``'s.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -22,11 +26,8 @@ from temper.data.chat import RecordError, check_messages, read_jsonl, render_cha
 from temper.data.sft import ExampleStream, Row, pad_id
 from temper.data.tokenizer import Tokenizer
 
-PromptRecord = tuple[list[dict[str, str]], str]
-"""(prompt messages, reference answer)."""
-
-ANSWER_BYTES = 256
-"""Room for a reference answer, in UTF-8 bytes."""
+PromptRecord = tuple[list[dict[str, str]], dict[str, Any]]
+"""(prompt messages, the whole JSONL record)."""
 
 
 def read_prompt_records(path: str, limit: int | None = None) -> list[PromptRecord]:
@@ -42,23 +43,25 @@ def read_prompt_records(path: str, limit: int | None = None) -> list[PromptRecor
             if isinstance(prompt, str)
             else check_messages(prompt, where, "prompt")
         )
-        answer = record.get("answer", "")
-        if not isinstance(answer, str):
+        if not isinstance(record.get("answer", ""), str):
             raise RecordError(f"{where}: 'answer' must be a string")
-        if len(answer.encode()) > ANSWER_BYTES:
-            raise RecordError(f"{where}: 'answer' is longer than {ANSWER_BYTES} UTF-8 bytes")
-        records.append((messages, answer))
+        records.append((messages, record))
     return records
 
 
-def encode_answer(answer: str) -> torch.Tensor:
-    data = list(answer.encode())
-    return torch.tensor(data + [-1] * (ANSWER_BYTES - len(data)))
+def encode_record(record: dict[str, Any], width: int) -> torch.Tensor:
+    """A record as JSON's UTF-8 bytes [width], padded with -1."""
+    data = _json_bytes(record)
+    return torch.tensor(data + [-1] * (width - len(data)))
 
 
-def decode_answer(row: torch.Tensor) -> str:
-    """The answer text of one row's ``answer_ids``."""
-    return bytes(b for b in row.tolist() if b >= 0).decode()
+def _json_bytes(record: dict[str, Any]) -> list[int]:
+    return list(json.dumps(record, ensure_ascii=False).encode())
+
+
+def decode_record(row: torch.Tensor) -> dict[str, Any]:
+    """The record of one row's ``record_ids``."""
+    return json.loads(bytes(b for b in row.tolist() if b >= 0).decode())
 
 
 def prompt_dataset(
@@ -73,15 +76,16 @@ def prompt_dataset(
 ) -> ExampleStream:
     """The prompt row stream of ``records`` (see the module docstring)."""
     kept = []
-    for messages, answer in records:
+    for messages, record in records:
         text = render_chat(template, messages, True, **tokenizer.special_tokens)
         ids = tokenizer.encode(text)
         if len(ids) <= width:
-            kept.append((ids, answer))
+            kept.append((ids, record))
     stats = {"truncated": 0, "dropped": len(records) - len(kept)}
+    record_width = max((len(_json_bytes(record)) for _, record in kept), default=0)
     return ExampleStream(
         kept,
-        _row_builder(width, pad_id(tokenizer)),
+        _row_builder(width, pad_id(tokenizer), record_width),
         seed=seed,
         dp_rank=dp_rank,
         dp_world=dp_world,
@@ -90,15 +94,15 @@ def prompt_dataset(
 
 
 def _row_builder(
-    width: int, pad: int
-) -> Callable[[Callable[[int], tuple[list[int], str] | None]], tuple[Row, int]]:
-    def build(peek: Callable[[int], tuple[list[int], str] | None]) -> tuple[Row, int]:
-        ids, answer = peek(0)
+    width: int, pad: int, record_width: int
+) -> Callable[[Callable[[int], tuple[list[int], dict[str, Any]] | None]], tuple[Row, int]]:
+    def build(peek: Callable[[int], tuple[list[int], dict[str, Any]] | None]) -> tuple[Row, int]:
+        ids, record = peek(0)
         n = width - len(ids)
         row = {
             "prompt_ids": torch.tensor([pad] * n + ids),
             "prompt_mask": torch.tensor([False] * n + [True] * len(ids)),
-            "answer_ids": encode_answer(answer),
+            "record_ids": encode_record(record, record_width),
         }
         return row, 1
 

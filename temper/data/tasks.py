@@ -82,11 +82,13 @@ def preference_pairs(
 
 
 def task_prompts(seed: int, split: Split, count: int) -> list[PromptRecord]:
-    """``count`` (user message, reference answer) prompts of ``split``, for RL."""
+    """``count`` (user message, record with the reference answer) prompts of ``split``, for
+    RL."""
     prompts = []
     for i in range(count):
         question, answer = task_example(seed, _index(split, i))
-        prompts.append(([{"role": "user", "content": question}], answer))
+        record = {"prompt": question, "answer": answer}
+        prompts.append(([{"role": "user", "content": question}], record))
     return prompts
 
 

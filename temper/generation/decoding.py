@@ -1,4 +1,11 @@
-"""Decoding with the training model itself: prefill the prompts, then one token per step."""
+"""Decoding with the training model itself: prefill the prompts, then one token per step.
+
+Two decode steps run the same model: the eager one, with a cache that grows by a column per
+token, and a compiled one (``compile=True``, gpt-fast's approach) on a ``StaticKVCache``,
+whose shapes never change between tokens, so ``torch.compile`` builds one graph for the
+step and runs it for every token. The prefill (one forward over every prompt of the batch)
+runs eagerly in both.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from torch.distributed import ProcessGroup
 
 from temper.generation.fsdp import gathered_weights
 from temper.generation.sampling import check_sampling, sample_next
-from temper.models.layers.kv_cache import KVCache
+from temper.models.layers.kv_cache import KVCache, StaticKVCache
 
 Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]
 """Token ids [b, s] of equal-length prompts, or a list of prompts of any lengths."""
@@ -55,6 +62,7 @@ def generate(
     generator: torch.Generator | None = None,
     return_log_probs: bool = False,
     lockstep_group: ProcessGroup | None = None,
+    compile: bool = False,
 ) -> Generation:
     """Up to ``max_new_tokens`` new tokens after each prompt, with a KV cache.
 
@@ -66,6 +74,10 @@ def generate(
     ``lockstep_group`` (expert parallelism: each token's forward is an all-to-all) every rank
     of the group decodes until all of them are done, one all-reduce of a done flag per step;
     a rank whose rows all stopped keeps running padded steps.
+
+    ``compile``: decode with the compiled step on a static cache (module docstring); the
+    first call for a model, batch size and rounded length compiles (seconds to minutes),
+    later ones reuse it. Same tokens as the eager step up to float rounding.
     """
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
@@ -75,9 +87,13 @@ def generate(
     batch = ids.shape[0]
     positions = (valid.cumsum(dim=1) - 1).clamp(min=0)
     # The last new token is returned, never fed back: it needs no column.
-    cache = KVCache(
-        torch.cat([valid, valid.new_ones(batch, max_new_tokens - 1)], 1), len(model.layers)
-    )
+    columns = torch.cat([valid, valid.new_ones(batch, max_new_tokens - 1)], 1)
+    if compile:
+        length = -(-columns.shape[1] // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
+        cache: KVCache = StaticKVCache(columns, len(model.layers), max_len=length)
+        step_fn = compiled_decode_step()
+    else:
+        cache, step_fn = KVCache(columns, len(model.layers)), decode_step
     stop = torch.tensor(sorted(stop_tokens), dtype=torch.long, device=device)
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     log_probs = torch.zeros(batch, max_new_tokens, device=device) if return_log_probs else None
@@ -100,7 +116,7 @@ def generate(
             if step == max_new_tokens - 1 or _all_done(done, lockstep_group):
                 break
             positions = positions[:, -1:] + 1
-            logits = model(token[:, None], positions, cache=cache)[:, -1].float()
+            logits = step_fn(model, token[:, None], positions, cache)
     return Generation(tokens, lengths, log_probs)
 
 
@@ -111,6 +127,30 @@ def _all_done(done: torch.Tensor, group: ProcessGroup | None) -> bool:
     flag = done.all().to(torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag)
+
+
+STATIC_LENGTH_STEP = 64
+"""A static cache's length is rounded up to a multiple of this, so prompts of different
+widths share a compiled step."""
+
+
+def decode_step(
+    model: nn.Module, token: torch.Tensor, positions: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
+    """One decoding step: tokens [b, 1] at positions [b, 1] -> next-token logits [b, vocab]
+    in fp32, the cache advanced by a column."""
+    return model(token, positions, cache=cache)[:, -1].float()
+
+
+_COMPILED: list[Callable[..., torch.Tensor]] = []
+
+
+def compiled_decode_step() -> Callable[..., torch.Tensor]:
+    """``decode_step`` under ``torch.compile`` with static shapes, built on first use and
+    shared (a new model, batch size or cache length adds a graph to it)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(decode_step, dynamic=False))
+    return _COMPILED[0]
 
 
 def left_pad(prompts: Prompts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

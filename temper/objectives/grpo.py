@@ -12,7 +12,10 @@ on. Per completion token, with ``ratio = exp(logp - old)``:
 
 The loss is summed over completion tokens and ``count`` is their number, so the trainer's
 division averages over every token of the step (DAPO's token-level normalization: long
-completions weigh by their length, not as one sample each). The same rollout serves
+completions weigh by their length, not as one sample each). ``objective.loss`` swaps in
+GSPO or Dr. GRPO (``temper.objectives.policy_loss``, with asymmetric clipping and truncated
+importance sampling); DAPO's dynamic sampling is ``temper.objectives.dynamic_sampling``.
+Rewards get each prompt's whole record (``temper.objectives.rewards``). The same rollout serves
 ``updates_per_rollout`` optimizer steps; the first is on-policy (ratio 1), later ones are
 held near the sampling policy by the clip.
 """
@@ -34,6 +37,7 @@ from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.generation.sampling import check_sampling
 from temper.objectives.causal_lm import documents, label_log_probs
+from temper.objectives.policy_loss import LossName, PolicyLoss
 from temper.objectives.registry import (
     Metrics,
     Objective,
@@ -41,35 +45,8 @@ from temper.objectives.registry import (
     reference_policy,
     register_objective,
 )
-from temper.objectives.rewards import Reward, get_reward, reward_names
+from temper.objectives.rewards import Reward, exact_match, get_reward, reward_names
 from temper.objectives.rollout import RolloutSampler
-
-ADVANTAGE_EPS = 1e-4
-"""Added to a group's reward std: a group whose rewards all agree gets advantage 0."""
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """rewards [prompts * group_size], grouped consecutively -> advantages of the same shape:
-    each reward minus its group's mean, over the group's (unbiased) standard deviation."""
-    groups = rewards.view(-1, group_size)
-    mean = groups.mean(dim=1, keepdim=True)
-    std = groups.std(dim=1, keepdim=True)
-    return ((groups - mean) / (std + ADVANTAGE_EPS)).view(-1)
-
-
-def clipped_token_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO loss [b, s] for per-row advantages [b], and where the clip decided it
-    (the clipped term was smaller, so the token gives no gradient)."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    adv = advantages[:, None]
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
 def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
@@ -100,7 +77,31 @@ class GRPOConfig(ObjectiveConfig):
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward; empty = all 1."""
     clip_eps: float = 0.2
-    """The importance ratio is clipped to [1 - eps, 1 + eps] (PPO)."""
+    """The importance ratio is clipped to [1 - clip_eps, 1 + clip_high] (PPO)."""
+    clip_high: float | None = None
+    """The upper clip; None = clip_eps (symmetric). DAPO's clip-higher: 0.28."""
+    loss: LossName = "grpo"
+    """grpo (per-token ratio, token-level mean), gspo (per-completion ratio and mean) or
+    dr_grpo (no std division, constant normalizer); see docs/post-training.md."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weigh each token by min(exp(old - sampler), cap),
+    the trainer's old log-prob against the sampler's; None = off."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: completions longer than max_new_tokens minus this
+    lose up to overlong_penalty reward, linearly; 0 = off."""
+    overlong_penalty: float = 1.0
+    """The reward lost by a completion of max_new_tokens tokens (with overlong_buffer)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards all agree and refill the batch
+    with more prompts' rollouts."""
+    dynamic_sampling_draws: int = 4
+    """The most prompt micro-batches one rollout micro-batch samples to fill itself (with
+    dynamic_sampling); a batch still short after them keeps what it found."""
+    compile_rollouts: bool = False
+    """Decode rollouts with the compiled static-cache step (`generate(compile=True)`); the
+    first rollout then compiles it. See docs/generation.md."""
+    accuracy_reward: str = "exact_match"
+    """The registered reward reported as the rollout's `accuracy` metric (1 = right)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the reference model; 0 builds no reference."""
     updates_per_rollout: int = 1
@@ -126,6 +127,7 @@ class GRPOConfig(ObjectiveConfig):
         except ValueError as error:
             raise ConfigError(f"objective.{error}") from None
         check_range(config, "objective.clip_eps", 0.0, 1.0, right_open=True)
+        self._validate_variants(config)
         if self.kl_coef < 0:
             raise ConfigError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
         if not self.rewards:
@@ -141,6 +143,35 @@ class GRPOConfig(ObjectiveConfig):
                 f"objective.reward_weights has {len(self.reward_weights)} values for "
                 f"{len(self.rewards)} objective.rewards"
             )
+
+    def _validate_variants(self, config: Config) -> None:
+        """The loss variants' own settings (see temper/objectives/policy_loss.py)."""
+        if self.clip_high is not None and self.clip_high < 0:
+            raise ConfigError(f"objective.clip_high must be >= 0, got {self.clip_high}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"objective.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if not 0 <= self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigError(
+                f"objective.overlong_buffer must be in [0, objective.max_new_tokens "
+                f"({self.max_new_tokens})], got {self.overlong_buffer}"
+            )
+        if self.loss == "gspo" and config.parallelism.sp > 1:
+            raise ConfigError(
+                "objective.loss gspo needs each completion's whole log-prob sum, which "
+                f"parallelism.sp {config.parallelism.sp} splits over ranks; use grpo or "
+                "dr_grpo with sequence parallelism"
+            )
+        check_positive(config, "objective.dynamic_sampling_draws")
+        if self.accuracy_reward not in reward_names():
+            raise ConfigError(
+                f"objective.accuracy_reward: {self.accuracy_reward!r} not registered; choose "
+                f"from {', '.join(reward_names())}"
+            )
+
+    def policy_loss(self) -> PolicyLoss:
+        """The loss ``objective.loss`` names, with its clip range."""
+        high = self.clip_eps if self.clip_high is None else self.clip_high
+        return PolicyLoss(self.loss, self.clip_eps, high, self.tis_cap, self.max_new_tokens)
 
     def completion_tokens(self) -> int:
         return self.max_new_tokens
@@ -163,6 +194,11 @@ class GRPOConfig(ObjectiveConfig):
             kl_coef=self.kl_coef,
             updates_per_rollout=self.updates_per_rollout,
             lockstep_group=dist.group.WORLD if config.parallelism.ep > 1 else None,
+            policy_loss=self.policy_loss(),
+            overlong=(self.overlong_buffer, self.overlong_penalty),
+            accuracy=get_reward(self.accuracy_reward),
+            sampling_draws=self.dynamic_sampling_draws if self.dynamic_sampling else 1,
+            compile_rollouts=self.compile_rollouts,
             **(reference_policy(config, build_reference) if self.kl_coef else {}),
         )
 
@@ -188,7 +224,15 @@ class GRPO:
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
         lockstep_group: ProcessGroup | None = None,
+        policy_loss: PolicyLoss | None = None,
+        overlong: tuple[int, float] = (0, 1.0),
+        accuracy: Reward = exact_match,
+        sampling_draws: int = 1,
+        compile_rollouts: bool = False,
     ) -> None:
+        self.policy_loss = policy_loss or PolicyLoss(
+            clip_low=clip_eps, clip_high=clip_eps, max_new_tokens=max_new_tokens
+        )
         self.sampler = RolloutSampler(
             tokenizer=tokenizer,
             stop_tokens=stop_tokens,
@@ -203,25 +247,31 @@ class GRPO:
             reference=reference,
             reference_mode=reference_mode,
             lockstep_group=lockstep_group,
+            accuracy=accuracy,
+            overlong=overlong,
+            keep_sampler_log_probs=self.policy_loss.tis_cap is not None,
+            compile=compile_rollouts,
         )
         self.group_size = group_size
         self.loss_temperature = self.sampler.loss_temperature
-        self.clip_eps = clip_eps
         self.kl_coef = kl_coef
         self.updates_per_rollout = updates_per_rollout
+        self.sampling_draws = sampling_draws
+        """Prompt micro-batches a rollout micro-batch may sample (dynamic sampling; 1 = off)."""
 
     def count(self, batch: Batch) -> torch.Tensor:
-        """Completion tokens: the unit the loss is averaged over."""
-        return (batch["labels"] != IGNORE_INDEX).sum()
+        """The unit the loss is averaged over: completion tokens (see ``PolicyLoss.count``)."""
+        return self.policy_loss.count(batch["labels"] != IGNORE_INDEX)
 
     def prepare(
         self, model: nn.Module, prompts: Batch, generator: torch.Generator
     ) -> tuple[Batch, dict[str, float]]:
         """Sample, score and log-prob one micro-batch of prompts (``temper.objectives.rollout``);
         returns the training rows (``input_ids``, ``labels``, ``old_log_probs``,
-        ``advantages``, maybe ``ref_log_probs``) and the rollout's metrics."""
+        ``advantages``, maybe ``ref_log_probs`` and ``sampler_log_probs``) and the rollout's
+        metrics."""
         rollout = self.sampler(model, prompts, generator)
-        advantages = group_advantages(rollout.rewards, self.group_size)
+        advantages = self.policy_loss.advantages(rollout.rewards, self.group_size)
         batch = rollout.batch | {"advantages": advantages.to(rollout.batch["input_ids"].device)}
         return batch, rollout.metrics
 
@@ -241,13 +291,15 @@ class GRPO:
             temperature=self.loss_temperature,
             shard=batch.get(SEQUENCE_SHARD),
         )
-        per_token, clipped = clipped_token_loss(
-            log_probs, batch["old_log_probs"], batch["advantages"], self.clip_eps
+        loss, metrics = self.policy_loss(
+            log_probs,
+            batch["old_log_probs"],
+            batch["advantages"],
+            completion,
+            batch.get("sampler_log_probs"),
         )
-        n_tokens = completion.sum().clamp(min=1)
-        metrics = {"clip_fraction": (clipped & completion).sum() / n_tokens}
         if self.kl_coef:
             kl = k3_kl(log_probs, batch["ref_log_probs"])
-            per_token = per_token + self.kl_coef * kl
-            metrics["kl"] = kl.detach()[completion].sum() / n_tokens
-        return per_token[completion].sum(), self.count(batch), metrics
+            loss = loss + self.kl_coef * self.policy_loss.reduce(kl, completion)
+            metrics["kl"] = kl.detach()[completion].sum() / completion.sum().clamp(min=1)
+        return loss, self.count(batch), metrics

@@ -28,12 +28,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from temper.data.batch import IGNORE_INDEX, Batch
-from temper.data.prompts import decode_answer
+from temper.data.prompts import decode_record
 from temper.data.tokenizer import Tokenizer
 from temper.generation import gathered_weights, generate
 from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.policy_loss import overlong_penalty
 from temper.objectives.registry import ReferenceMode
-from temper.objectives.rewards import Reward, exact_match
+from temper.objectives.rewards import Record, Reward, exact_match
+from temper.objectives.rollout_metrics import rollout_signal_metrics
 from temper.parallel.ulysses import whole_sequences
 
 LOGITS_BUDGET = 2**28
@@ -45,9 +47,11 @@ class Rollout:
     """What a rollout hands the objective: the training rows and their scores."""
 
     batch: Batch
-    """``input_ids``, ``labels``, ``old_log_probs`` and, with a reference, ``ref_log_probs``."""
+    """``input_ids``, ``labels``, ``old_log_probs`` and, with a reference, ``ref_log_probs``;
+    with ``keep_sampler_log_probs``, the sampler's own ``sampler_log_probs``."""
     rewards: torch.Tensor
-    """[rows] fp32 on CPU: each completion's weighted reward sum."""
+    """[rows] fp32 on CPU: each completion's weighted reward sum, with the overlong
+    punishment."""
     metrics: dict[str, float]
 
 
@@ -70,6 +74,10 @@ class RolloutSampler:
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
         lockstep_group: ProcessGroup | None = None,
+        accuracy: Reward = exact_match,
+        overlong: tuple[int, float] = (0, 1.0),
+        keep_sampler_log_probs: bool = False,
+        compile: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
@@ -86,6 +94,14 @@ class RolloutSampler:
         self.reference = reference
         self.reference_mode = reference_mode
         self.lockstep_group = lockstep_group
+        self.accuracy = accuracy
+        """The reward reported as the ``accuracy`` metric."""
+        self.overlong = overlong
+        """(buffer, penalty) of DAPO's soft overlong punishment; buffer 0 = off."""
+        self.keep_sampler_log_probs = keep_sampler_log_probs
+        """Hand the loss the sampler's log-probs (truncated importance sampling)."""
+        self.compile = compile
+        """Decode with the compiled static-cache step (``generate(compile=True)``)."""
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, prompts: Batch, generator: torch.Generator) -> Rollout:
@@ -106,6 +122,7 @@ class RolloutSampler:
                 generator=generator,
                 return_log_probs=True,
                 lockstep_group=self.lockstep_group,
+                compile=self.compile,
             )
             model.train(was_training)  # scored in the mode the loss runs in
             input_ids, labels = rollout_rows(rows, out.tokens, out.lengths)
@@ -118,10 +135,12 @@ class RolloutSampler:
         completion = labels != IGNORE_INDEX
         sampler = torch.zeros_like(old)
         sampler[completion] = out.log_probs[_completion_mask(out.lengths, self.max_new_tokens)]
-        answers = [decode_answer(a) for a in prompts["answer_ids"]]
+        if self.keep_sampler_log_probs:
+            batch["sampler_log_probs"] = sampler
+        records = [decode_record(r) for r in prompts["record_ids"]]
         texts = out.texts(self.tokenizer.decode, self.stop_tokens)
-        scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, answers)
-        rewards = scores["reward"]
+        scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, records)
+        rewards = scores["reward"] + self._overlong_penalty(out.lengths.cpu())
         n_tokens = completion.sum().clamp(min=1)
         metrics = {name: v.mean().item() for name, v in scores.items() if name != "reward"}
         metrics |= {
@@ -131,6 +150,7 @@ class RolloutSampler:
             "entropy": (entropy[completion].sum() / n_tokens).item(),
             "logprob_diff_max": (sampler - old)[completion].abs().max().item(),
         }
+        metrics |= rollout_signal_metrics(rewards, self.group_size, sampler, old, completion)
         return Rollout(batch, rewards, metrics)
 
     def empty_rollout(self, rows: int, width: int) -> Batch:
@@ -139,20 +159,22 @@ class RolloutSampler:
         batch = {"input_ids": ids, "labels": ids.clone(), "old_log_probs": torch.zeros(rows, width)}
         if self.with_reference:
             batch["ref_log_probs"] = torch.zeros(rows, width)
+        if self.keep_sampler_log_probs:
+            batch["sampler_log_probs"] = torch.zeros(rows, width)
         return batch
 
     def _score(
-        self, prompts: list[str], completions: list[str], answers: list[str]
+        self, prompts: list[str], completions: list[str], records: list[Record]
     ) -> dict[str, torch.Tensor]:
-        """Per completion (on CPU): the weighted reward sum, each reward, and exact-match
-        accuracy."""
+        """Per completion (on CPU): the weighted reward sum, each reward, and the accuracy
+        reward's value."""
         per_reward = torch.zeros(len(self.rewards), len(completions))
         accuracy = torch.zeros(len(completions))
         for i, (prompt, text) in enumerate(zip(prompts, completions, strict=True)):
-            answer = answers[i // self.group_size]
+            record = records[i // self.group_size]
             for k, reward in enumerate(self.rewards.values()):
-                per_reward[k, i] = reward(prompt, text, answer)
-            accuracy[i] = exact_match(prompt, text, answer)
+                per_reward[k, i] = reward(prompt, text, record)
+            accuracy[i] = self.accuracy(prompt, text, record)
         weights = torch.tensor(self.reward_weights)
         scores = {"reward": weights @ per_reward}
         if len(self.rewards) > 1:
@@ -160,6 +182,13 @@ class RolloutSampler:
                 f"reward_{name}": row for name, row in zip(self.rewards, per_reward, strict=True)
             }
         return scores | {"accuracy": accuracy}
+
+    def _overlong_penalty(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Each completion's soft overlong punishment (0 when ``overlong`` is off)."""
+        buffer, penalty = self.overlong
+        if not buffer:
+            return torch.zeros(lengths.shape)
+        return overlong_penalty(lengths, self.max_new_tokens, buffer, penalty)
 
     def _reference_log_probs(
         self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor

@@ -132,7 +132,7 @@ def greedy_scores(trainer: Trainer, count: int = EVAL_EXAMPLES) -> dict[str, flo
         max_new_tokens=config.objective.max_new_tokens,
         stop_tokens=stop_token_ids(trainer.engine.tokenizer, template),
     )
-    hits = [exact_match("", got, want) for got, (_, want) in zip(answers, records, strict=True)]
+    hits = [exact_match("", got, record) for got, (_, record) in zip(answers, records, strict=True)]
     return {"exact_match": sum(hits) / len(hits)}
 
 

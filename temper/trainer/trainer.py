@@ -19,6 +19,7 @@ from temper.data.batch import Batch
 from temper.data.tasks import build_loader
 from temper.engine import Engine, NonFiniteError
 from temper.objectives import Objective, RolloutObjective, build_objective
+from temper.objectives.dynamic_sampling import DynamicSampling, Rollout, fill_rollout
 from temper.parallel.collectives import all_reduce_sum, combine_metrics
 from temper.trainer.console import (
     StopRequest,
@@ -29,7 +30,7 @@ from temper.trainer.console import (
     stopped_line,
     summary_line,
 )
-from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
+from temper.trainer.metrics import MetricsLogger, RolloutClock, Throughput, peak_memory_gib
 from temper.trainer.state import TrainState
 from temper.utils.device import Runtime, init_runtime
 from temper.utils.peak_flops import peak_flops
@@ -67,6 +68,7 @@ class Trainer:
             peak_flops=peak_flops(engine.device, engine.dtype),
             total_steps=config.training.steps,
         )
+        self.rollout_clock = RolloutClock(engine.device)
 
     def _train_state(self) -> TrainState:
         objective, config, device = self.objective, self.config, self.engine.device
@@ -193,6 +195,8 @@ class Trainer:
         state = self.state
         values = {name: float(value) for name, value in metrics.items()}
         values.update(self.throughput.measure(state.step, self.start_step + 1))
+        if isinstance(self.objective, RolloutObjective):
+            values.update(self.rollout_clock.measure())
         values["memory_gib"] = peak_memory_gib(self.engine.device)
         self.metrics.log(state.step, values)
 
@@ -210,31 +214,51 @@ class Trainer:
         if not isinstance(objective, RolloutObjective):
             return [next(batches) for _ in range(self.grad_accum)], {}
         if state.rollout is None or state.step % objective.updates_per_rollout == 0:
-            # Whole prompts on every SP rank: a rollout decodes whole sequences.
-            prompts = [
-                {k: v.to(engine.device) for k, v in next(batches).items()}
-                for _ in range(self.grad_accum)
-            ]
+            prompts = [self._whole_prompts(batches) for _ in range(self.grad_accum)]
             first = engine.dims.dp_rank * self.grad_accum
             offload = self.config.optimizer.offload_during_rollout
+            self.rollout_clock.start()
             if offload:
                 engine.offload_optimizer()
             try:  # in the loss's precision, so the first update's ratio is exactly 1
                 with engine.autocast():
                     results = [
-                        objective.prepare(engine.model, mb, self._sampler(first + j))
-                        for j, mb in enumerate(prompts)
+                        self._rollout(mb, batches, first + j) for j, mb in enumerate(prompts)
                     ]
             finally:
                 if offload:
                     engine.restore_optimizer()
+                self.rollout_clock.stop()
             metrics = combine_metrics([m for _, m in results], engine.device)
             state.rollout = [batch for batch, _ in results], metrics
         return state.rollout
 
-    def _sampler(self, index: int) -> torch.Generator:
-        key = f"{self.config.training.seed}:{self.state.step}:{index}".encode()
-        seed = int.from_bytes(hashlib.sha256(key).digest()[:7], "little")
+    def _rollout(self, prompts: Batch, batches: Iterator[Batch], index: int) -> Rollout:
+        """One micro-batch's rollout; with dynamic sampling, refilled from further prompt
+        micro-batches (see ``temper.objectives.dynamic_sampling``)."""
+        objective, model = self.objective, self.engine.model
+        if not isinstance(objective, DynamicSampling) or objective.sampling_draws == 1:
+            return objective.prepare(model, prompts, self._sampler(index))
+        return fill_rollout(
+            lambda mb, generator: objective.prepare(model, mb, generator),
+            prompts,
+            lambda: self._whole_prompts(batches),
+            lambda draw: self._sampler(index, draw),
+            objective.group_size,
+            objective.sampling_draws,
+        )
+
+    def _whole_prompts(self, batches: Iterator[Batch]) -> Batch:
+        """The next micro-batch of prompts on the device, whole on every SP rank: a rollout
+        decodes whole sequences."""
+        return {k: v.to(self.engine.device) for k, v in next(batches).items()}
+
+    def _sampler(self, index: int, draw: int = 0) -> torch.Generator:
+        """Micro-batch ``index``'s sampler; a dynamic-sampling refill ``draw`` > 0 gets its own."""
+        key = f"{self.config.training.seed}:{self.state.step}:{index}" + (
+            f":{draw}" if draw else ""
+        )
+        seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "little")
         return torch.Generator(self.engine.device).manual_seed(seed)
 
 

@@ -14,18 +14,12 @@ import torch
 from temper.config import Config, ConfigError, Data, Training
 from temper.data.batch import IGNORE_INDEX
 from temper.data.chat import BUILTIN_TEMPLATE, RecordError, stop_token_ids
-from temper.data.prompts import decode_answer, prompt_dataset, read_prompt_records
+from temper.data.prompts import decode_record, prompt_dataset, read_prompt_records
 from temper.data.tokenizer import load_tokenizer
 from temper.models import build_model, materialize
 from temper.objectives.causal_lm import label_log_probs
-from temper.objectives.grpo import (
-    ADVANTAGE_EPS,
-    GRPO,
-    GRPOConfig,
-    clipped_token_loss,
-    group_advantages,
-    k3_kl,
-)
+from temper.objectives.grpo import GRPO, GRPOConfig, k3_kl
+from temper.objectives.policy_loss import ADVANTAGE_EPS, clipped_loss, group_advantages
 from temper.objectives.rewards import exact_match, item_match, list_format, register_reward
 from temper.objectives.rollout import rollout_rows
 
@@ -42,7 +36,7 @@ def test_clipped_loss_and_k3_by_hand() -> None:
     old = torch.zeros(2, 3)
     new = torch.log(torch.tensor([[1.0, 1.5, 0.5], [1.0, 1.5, 0.5]]))
     adv = torch.tensor([2.0, -1.0])
-    loss, clipped = clipped_token_loss(new, old, adv, clip_eps=0.2)
+    loss, clipped = clipped_loss(torch.exp(new - old), adv[:, None], 0.2, 0.2)
     # A > 0: min(r A, clip(r) A) caps r at 1.2; A < 0: it floors r at 0.8.
     want = torch.tensor([[-2.0, -2.4, -1.0], [1.0, 1.5, 0.8]])
     torch.testing.assert_close(loss, want)
@@ -63,14 +57,17 @@ def test_training_rows_train_on_the_completion_and_its_stop_token() -> None:
 
 
 def test_builtin_rewards_by_hand() -> None:
-    assert exact_match("", " a b c ", "a b c") == 1.0
-    assert exact_match("", "a b", "a b c") == 0.0
-    assert list_format("", "x y z", "a b c") == 1.0
-    assert list_format("", "x y", "a b c") == 0.0
-    assert list_format("", "xy z", "ab c") == 0.0
-    assert item_match("", "1 2 9", "1 2 3") == pytest.approx(2 / 3)
-    assert item_match("", "1 2 3 4", "1 2 3") == pytest.approx(3 / 4)
-    assert item_match("", "", "1 2") == 0.0
+    def record(answer: str) -> dict[str, str]:
+        return {"prompt": "q", "answer": answer}
+
+    assert exact_match("", " a b c ", record("a b c")) == 1.0
+    assert exact_match("", "a b", record("a b c")) == 0.0
+    assert list_format("", "x y z", record("a b c")) == 1.0
+    assert list_format("", "x y", record("a b c")) == 0.0
+    assert list_format("", "xy z", record("ab c")) == 0.0
+    assert item_match("", "1 2 9", record("1 2 3")) == pytest.approx(2 / 3)
+    assert item_match("", "1 2 3 4", record("1 2 3")) == pytest.approx(3 / 4)
+    assert item_match("", "", record("1 2")) == 0.0
 
 
 def test_a_registered_reward_is_a_config_choice_and_an_unknown_one_fails() -> None:
@@ -116,7 +113,7 @@ def test_bad_grpo_settings_fail_by_field(change: dict, message: str) -> None:
 def test_prompt_records_rows_and_errors(tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     lines = [
-        {"prompt": "sort: 3 1 2", "answer": "1 2 3"},
+        {"prompt": "sort: 3 1 2", "answer": "1 2 3", "tests": [1, 2]},
         {"prompt": [{"role": "user", "content": "copy: é"}], "answer": "é"},
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
@@ -124,8 +121,9 @@ def test_prompt_records_rows_and_errors(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(None)
     stream = iter(prompt_dataset(records, tokenizer, BUILTIN_TEMPLATE, width=24))
     rows = [next(stream) for _ in range(2)]
-    answers = sorted(decode_answer(row["answer_ids"]) for row in rows)
-    assert answers == ["1 2 3", "é"]
+    # Each row carries its whole record back, every field exact.
+    got = sorted((decode_record(row["record_ids"]) for row in rows), key=lambda r: r["answer"])
+    assert got == lines
     for row in rows:
         real = row["prompt_ids"][row["prompt_mask"]].tolist()
         assert row["prompt_mask"][-len(real) :].all()  # left-padded: prompts end together
@@ -160,8 +158,8 @@ def _objective(**overrides: object) -> GRPO:
 def _prompts() -> dict[str, torch.Tensor]:
     tokenizer = load_tokenizer(None)
     records = [
-        ([{"role": "user", "content": "sort: 3 1 2"}], "1 2 3"),
-        ([{"role": "user", "content": "copy: a b"}], "a b"),
+        ([{"role": "user", "content": "sort: 3 1 2"}], {"answer": "1 2 3"}),
+        ([{"role": "user", "content": "copy: a b"}], {"answer": "a b"}),
     ]
     rows = iter(prompt_dataset(records, tokenizer, BUILTIN_TEMPLATE, width=20))
     batch = [next(rows) for _ in range(2)]

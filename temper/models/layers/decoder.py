@@ -184,8 +184,8 @@ class Decoder(nn.Module):
         A vision-language model passes its fused ``embeddings`` (image features in place of
         image tokens) and multimodal ``rope_position_ids`` [3, b, s]; ``position_ids`` then
         still find the packed documents."""
-        start = 0 if cache is None else cache.length
         if position_ids is None:
+            start = 0 if cache is None else cache.length
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None]
         cos, sin = self.rope(position_ids if rope_position_ids is None else rope_position_ids)

@@ -5,7 +5,8 @@ one column index serves the whole batch. Prompts of different lengths are left-p
 ``valid`` mask over the columns hides the padding. Each layer stores the keys and values its
 attention hands it: rotary GQA stores ``[b, max_len, n_kv_heads, head_dim]``, MLA its
 per-head expanded keys and values (what transformers caches too), which costs more memory than
-the latent but reads the same way as GQA.
+the latent but reads the same way as GQA. ``StaticKVCache`` is the variant with fixed shapes
+that a compiled decode step needs.
 """
 
 from __future__ import annotations
@@ -89,3 +90,76 @@ class LayerCache:
         self.v[:, start:end] = v
         keys, values = self.k[:, :end], self.v[:, :end]
         return attention(q, keys, values, scale=scale, mask=cache.mask, window=window, sinks=sinks)
+
+
+class StaticKVCache(KVCache):
+    """A KV cache whose shapes never change between decoding steps (gpt-fast's approach), so
+    one compiled decode step serves every token.
+
+    The columns a forward writes are a tensor (``columns``), not a Python count, and every
+    step attends to the whole preallocated buffer, the columns not yet written hidden by the
+    mask; ``max_len`` may exceed what the rows need (a rounded-up length lets batches of
+    different prompt widths share one compiled step). Same results as ``KVCache``: the
+    hidden columns weigh exactly 0.
+    """
+
+    def __init__(self, valid: torch.Tensor, n_layers: int, max_len: int | None = None) -> None:
+        b, needed = valid.shape
+        max_len = max_len or needed
+        if max_len < needed:
+            raise ValueError(f"StaticKVCache max_len {max_len} below the {needed} columns needed")
+        self.valid = torch.cat([valid, valid.new_zeros(b, max_len - needed)], 1)
+        self.mask: torch.Tensor | None = None
+        self.layers = [StaticLayerCache(self) for _ in range(n_layers)]
+        self.next_column = torch.zeros((), dtype=torch.long, device=valid.device)
+        self.columns = self.next_column[None]
+
+    @property
+    def length(self) -> int:  # type: ignore[override]
+        """Not kept as a number (a compiled step would specialize on it): callers pass
+        ``position_ids``."""
+        raise ValueError("a StaticKVCache counts its columns in a tensor: pass position_ids")
+
+    def extend(self, n: int) -> list[LayerCache]:
+        """Open ``n`` columns from ``next_column`` on (tensor arithmetic only: no Python
+        value changes between steps, so a compiled step is not re-specialized)."""
+        keys = torch.arange(self.valid.shape[1], device=self.valid.device)
+        self.columns = self.next_column + torch.arange(n, device=self.valid.device)
+        queries = self.columns[:, None]
+        visible = self.valid[:, None, :] | (keys == queries)
+        self.mask = (visible & (keys <= queries)).unsqueeze(1)
+        self.next_column = self.next_column + n
+        return self.layers
+
+
+class StaticLayerCache(LayerCache):
+    """``LayerCache`` for ``StaticKVCache``: writes at the cache's ``columns`` and attends to
+    the whole buffer."""
+
+    cache: StaticKVCache
+
+    def valid_columns(self, n: int) -> torch.Tensor:
+        return self.cache.valid.index_select(1, self.cache.columns)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        cache = self.cache
+        if self.k is None or self.v is None:
+            b, max_len = cache.valid.shape
+            self.k = k.new_zeros(b, max_len, *k.shape[2:])
+            self.v = v.new_zeros(b, max_len, *v.shape[2:])
+        # Indexed assignment (index_put_), which the compiler keeps in place.
+        self.k[:, cache.columns] = k
+        self.v[:, cache.columns] = v
+        mask = cache.mask
+        if window is not None:  # the band by column, as attention's causal_band draws it
+            keys = torch.arange(self.k.shape[1], device=q.device)
+            mask = mask & (cache.columns[:, None] - keys < window)
+        return attention(q, self.k, self.v, scale=scale, mask=mask, sinks=sinks)

@@ -1,0 +1,88 @@
+"""The static-cache decode step against the eager one: the same tokens and log-probs for every
+family (a Gated DeltaNet hybrid too), a compiled step traced once for every token and for
+prompts of different widths, and the static cache's mask by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generation import PROMPTS, TINY, tiny_model
+
+from temper.generation import decoding, generate
+from temper.models import build_model, materialize
+from temper.models.layers.kv_cache import StaticKVCache
+
+NEW = 6
+
+
+def _sample(model: torch.nn.Module, compile: bool, prompts=PROMPTS) -> decoding.Generation:
+    return generate(
+        model,
+        prompts,
+        NEW,
+        1.0,
+        generator=torch.Generator().manual_seed(0),
+        return_log_probs=True,
+        compile=compile,
+    )
+
+
+@pytest.fixture
+def eager_static_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile=True on the static cache, with the step left uncompiled (fast to test)."""
+    monkeypatch.setattr(decoding, "_COMPILED", [decoding.decode_step])
+
+
+@pytest.mark.usefixtures("eager_static_step")
+@pytest.mark.parametrize("family", [*TINY, "qwen3_5_moe"])
+def test_static_cache_decodes_what_the_growing_cache_does(family: str) -> None:
+    if family in TINY:
+        model = tiny_model(family)
+    else:  # a Gated DeltaNet hybrid: conv window and recurrent state beside the KV cache
+        torch.manual_seed(0)
+        model = materialize(build_model(family, "debug"), torch.device("cpu"))
+    eager, static = _sample(model, False), _sample(model, True)
+    assert torch.equal(static.tokens, eager.tokens)
+    torch.testing.assert_close(static.log_probs, eager.log_probs, rtol=0, atol=1e-5)
+
+
+def test_static_mask_by_hand() -> None:
+    valid = torch.tensor([[False, True, True], [True, True, True]])
+    cache = StaticKVCache(valid, n_layers=1, max_len=5)
+    cache.extend(3)
+    # Prefill: causal over the 3 prompt columns; the padding query sees itself only.
+    assert cache.mask[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0],
+        [0, 1, 1, 0, 0],
+    ]
+    cache.extend(1)
+    # A decode step writes column 3 and sees every valid column up to it, not the free one.
+    assert cache.columns.tolist() == [3]
+    assert cache.mask[:, 0, 0].int().tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
+    with pytest.raises(ValueError, match="pass position_ids"):
+        _ = cache.length
+
+
+def test_the_compiled_step_is_one_graph_for_every_token_and_width(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Traced with a counting backend (no code generation): one graph, no graph break, no
+    recompilation between tokens or for a batch of other prompt widths that round to the
+    same cache length."""
+    graphs = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    torch.compiler.reset()
+    step = torch.compile(decoding.decode_step, backend=backend, dynamic=False, fullgraph=True)
+    monkeypatch.setattr(decoding, "_COMPILED", [step])
+    model = tiny_model("llama3")
+    eager, compiled = _sample(model, False), _sample(model, True)
+    assert torch.equal(compiled.tokens, eager.tokens)
+    torch.testing.assert_close(compiled.log_probs, eager.log_probs, rtol=0, atol=1e-5)
+    _sample(model, True, [[1, 2], [3, 4, 5, 6], [7]])
+    assert len(graphs) == 1
+    torch.compiler.reset()
