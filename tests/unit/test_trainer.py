@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
 
 import pytest
@@ -174,12 +175,22 @@ def test_accumulation_equals_the_big_batch_run(tmp_path) -> None:
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
-def test_deterministic_runs_repeat_bitwise(tmp_path) -> None:
-    losses = []
-    for name in ("a", "b"):
-        trainer = Trainer(tiny_config(tmp_path / name, deterministic=True), runtime=CPU)
-        trainer.train()
-        text = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        losses.append([json.loads(line)["loss"] for line in text])
-    torch.use_deterministic_algorithms(False)
-    assert losses[0] == losses[1]
+def test_deterministic_flag_switches_torch_to_deterministic_kernels(tmp_path) -> None:
+    """CPU fp32 training repeats bitwise with or without the flag, so repeating a run cannot
+    tell them apart. What the flag must do is put torch in deterministic mode, where an op
+    without a deterministic kernel (put_ onto a repeated index) refuses to run instead of
+    giving an order-dependent result, and fix cuBLAS's workspace, which CUDA needs to repeat."""
+
+    def put_twice_at_one_index() -> None:
+        torch.zeros(3).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+
+    Trainer(tiny_config(tmp_path / "off"), runtime=CPU)
+    put_twice_at_one_index()
+    try:
+        Trainer(tiny_config(tmp_path / "on", deterministic=True), runtime=CPU)
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            put_twice_at_one_index()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
