@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 import temper.engine  # noqa: F401  (registers every built-in config rule and objective)
-from temper.config import ConfigError, load_config
+from temper.config import Config, ConfigError, load_config
 
 DEFAULT_MODULE = "temper.recipes.llama3"
 DEFAULT_CONFIG = "llama3_debug"
@@ -26,6 +26,8 @@ usage: MODULE=<module> CONFIG=<function> NGPU=<n> ./run_train.sh [--section.fiel
           --config here
   NGPU    processes per node, one per GPU (default 1); NNODES=<n> MASTER_ADDR=<host> for
           several nodes
+  MAX_RESTARTS  restart the group up to n times when a rank dies; each restart resumes
+          from the newest complete checkpoint (default 0)
   ./run_train.sh --list   the built-in recipes and model families
 
 The fields below default to the recipe's values.
@@ -56,6 +58,19 @@ def catalog() -> str:
 def _first_sentence(doc: str | None) -> str:
     paragraph = " ".join((doc or "").split("\n\n")[0].split())
     return paragraph.split(". ")[0].removesuffix(".") + "."
+
+
+def announce_restart(config: Config, restart: int) -> None:
+    """torchrun restarted the group after a rank died (``MAX_RESTARTS``): continue from the
+    newest complete checkpoint, whatever ``checkpoint.resume`` said for the first launch."""
+    config.checkpoint.resume = "auto"
+    if os.environ.get("RANK", "0") != "0":
+        return
+    if config.checkpoint.enable:
+        what = "resuming from the newest complete checkpoint"
+    else:
+        what = "checkpoint.enable is off, so training starts again from step 0"
+    print(f"temper: restart {restart} after a rank failed: {what}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if known.check_only:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        announce_restart(config, restart)
 
     from temper.trainer import Trainer
     from temper.utils.device import shutdown_runtime

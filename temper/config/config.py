@@ -78,6 +78,9 @@ class Training:
     """Gradient clipping norm; 0 disables clipping."""
     deterministic: bool = False
     """Use deterministic algorithms (bitwise repeatable runs, slower on GPU)."""
+    skip_nonfinite: int = 0
+    """Skip up to N steps whose loss or gradient norm is not finite (no update; their data
+    is not trained on again), each logged; the next one stops the run. 0 stops at the first."""
 
 
 @dataclass
@@ -401,7 +404,12 @@ class Config:
         check_range(self, "optimizer.beta2", 0.0, 1.0, right_open=True)
         check_range(self, "lr_scheduler.min_lr_ratio", 0.0, 1.0)
         check_range(self, "lr_scheduler.decay_ratio", 0.0, 1.0)
-        for name in ("optimizer.weight_decay", "training.max_norm", "lr_scheduler.warmup_steps"):
+        for name in (
+            "optimizer.weight_decay",
+            "training.max_norm",
+            "training.skip_nonfinite",
+            "lr_scheduler.warmup_steps",
+        ):
             if get_field(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {get_field(self, name)}")
         _check_checkpoint(self.checkpoint)

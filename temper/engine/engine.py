@@ -38,7 +38,16 @@ from temper.utils.device import Runtime, init_runtime, resolve_dtype, seed_every
 
 
 class NonFiniteError(RuntimeError):
-    """The loss or gradient norm became inf/nan; the update was not applied."""
+    """The loss or gradient norm became inf/nan; the update was not applied.
+
+    ``values`` names what was not finite (``"loss nan / grad norm nan"``), ``grad_norm`` is
+    the norm before clipping: what a loop that skips such steps logs.
+    """
+
+    def __init__(self, message: str, values: str, grad_norm: float) -> None:
+        super().__init__(message)
+        self.values = values
+        self.grad_norm = grad_norm
 
 
 class Engine:
@@ -114,10 +123,13 @@ class Engine:
         finite = torch.isfinite(grad_norm) if loss is None else torch.isfinite(loss + grad_norm)
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
-            shown = "" if loss is None else f"loss {loss.item()} / "
+            norm = grad_norm.item()
+            values = ("" if loss is None else f"loss {loss.item()} / ") + f"grad norm {norm}"
             raise NonFiniteError(
-                f"{shown}grad norm {grad_norm.item()} is not finite; the update was skipped. "
-                "Lower optimizer.lr or check the data."
+                f"{values} is not finite; the update was not applied. "
+                "Lower optimizer.lr or check the data.",
+                values,
+                norm,
             )
         lr = torch.tensor(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()

@@ -20,7 +20,8 @@ class TrainState:
     them holds it (``temper.trainer.rollout_buffer``), so the resumed run trains on the same
     rollout. Loading one needs ``step`` set to the step being resumed beforehand, and
     ``rollout_template`` (zeros shaped like one rollout's micro-batches at full width) to
-    load it into.
+    load it into. ``skipped`` lists the steps skipped for a non-finite loss or gradient norm
+    (``training.skip_nonfinite``); a resumed run keeps counting them.
     """
 
     def __init__(
@@ -34,6 +35,7 @@ class TrainState:
         self.loader = loader
         self.step = 0
         self.tokens_seen = 0
+        self.skipped: list[int] = []
         self.rollout: Rollout | None = None
         self.updates_per_rollout = updates_per_rollout
         self.rollout_template = rollout_template
@@ -46,7 +48,11 @@ class TrainState:
     def state_dict(self) -> dict[str, Any]:
         state = {
             "dataloader": self.loader.state_dict(),
-            "train_state": {"step": self.step, "tokens_seen": self.tokens_seen},
+            "train_state": {
+                "step": self.step,
+                "tokens_seen": self.tokens_seen,
+                "skipped": self.skipped,
+            },
         }
         if self.mid_rollout():
             if self.rollout is None:  # loading: the shapes to fill
@@ -59,5 +65,6 @@ class TrainState:
         self.loader.load_state_dict(state["dataloader"])
         self.step = state["train_state"]["step"]
         self.tokens_seen = state["train_state"]["tokens_seen"]
+        self.skipped = list(state["train_state"].get("skipped", []))
         if "rollout" in state:
             self.rollout = restore_rollout(state["rollout"])

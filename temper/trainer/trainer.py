@@ -134,7 +134,7 @@ class Trainer:
             self.engine.save(state.step, state, metadata=metadata, wait=last or export)
             if export and self.engine.runtime.is_main:
                 self._say(f"temper: exported {export_hf(self.config, state.step)}")
-        if state.step % self.config.metrics.log_freq == 0 or last:
+        if state.step % self.config.metrics.log_freq == 0 or last or "skipped" in metrics:
             self._log(metrics)
 
     def _say(self, line: str) -> None:
@@ -169,7 +169,7 @@ class Trainer:
         try:
             metrics |= engine.step(loss)
         except NonFiniteError as error:
-            raise NonFiniteError(f"step {self.state.step}: {error}") from None
+            metrics |= self._skip_nonfinite(error)
         # Every sequence the model ran: a DPO pair's chosen and rejected rows both count.
         for micro_batch in micro_batches:
             for key, ids in micro_batch.items():
@@ -177,6 +177,30 @@ class Trainer:
                     self.throughput.add_rows(ids.shape[0], ids.shape[-1])
         stats = {f"data_{name}": torch.tensor(float(v)) for name, v in self.loader.stats.items()}
         return {"loss": loss, **metrics, **stats}
+
+    def _skip_nonfinite(self, error: NonFiniteError) -> StepMetrics:
+        """A step ``engine.step`` refused: skipped and logged while ``training.skip_nonfinite``
+        allows one more, else NonFiniteError saying which steps were skipped before. A skipped
+        step applies no update and leaves the learning-rate schedule where it was; its data
+        is consumed, so the next step trains on the next batch."""
+        state, budget = self.state, self.config.training.skip_nonfinite
+        if len(state.skipped) >= budget:
+            raise NonFiniteError(
+                nonfinite_stop_message(state.step, error.values, state.skipped, budget),
+                error.values,
+                error.grad_norm,
+            ) from None
+        state.skipped.append(state.step)
+        self._say(
+            f"temper: step {state.step}: {error.values} is not finite; skipped it without an "
+            f"update ({len(state.skipped)} of training.skip_nonfinite {budget})"
+        )
+        lr = self.engine.optimizer.param_groups[0]["lr"]  # the lr the step would have had
+        return {
+            "grad_norm": torch.tensor(error.grad_norm),
+            "lr": torch.tensor(lr),
+            "skipped": torch.tensor(1.0),
+        }
 
     def offload_optimizer(self) -> None:
         """See ``Engine.offload_optimizer``."""
@@ -260,6 +284,19 @@ class Trainer:
         )
         seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "little")
         return torch.Generator(self.engine.device).manual_seed(seed)
+
+
+def nonfinite_stop_message(step: int, values: str, skipped: list[int], budget: int) -> str:
+    """Why a run stopped at a non-finite step, naming the steps it skipped before."""
+    if budget == 0:
+        allowance = "; --training.skip_nonfinite N would skip up to N such steps"
+    else:
+        earlier = ", ".join(map(str, skipped))
+        allowance = f" after skipping steps {earlier} (training.skip_nonfinite {budget})"
+    return (
+        f"step {step}: {values} is not finite; the update was not applied and training "
+        f"stopped{allowance}. Lower optimizer.lr or check the data."
+    )
 
 
 def export_hf(config: Config, step: int) -> Path:

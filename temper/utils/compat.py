@@ -1,7 +1,8 @@
 """Every private torch API Temper uses, in one place, each with the torch versions it was
-checked on (2.11 on the GPU machines, 2.13 in CI). Code imports these names from here, so a
-torch upgrade that moves one breaks this module, not a training run, and
-``tests/unit/test_compat.py`` names it. A public API is used instead wherever one exists.
+checked on (2.11 and 2.13: CI runs ``tests/unit`` on both, 2.11 in ``.ci/torch-floor``). Code
+imports these names from here, so a torch upgrade that moves one breaks this module, not a
+training run, and ``tests/unit/test_compat.py`` names it. A public API is used instead
+wherever one exists.
 """
 
 from __future__ import annotations

@@ -38,9 +38,22 @@ def test_cpu_probe_runs_once_then_reads_the_cache(tmp_path, monkeypatch) -> None
     assert list(json.loads(cache.read_text()).values()) == [123e9]
 
 
-def test_real_probe_measures_a_positive_rate() -> None:
-    # 2 n^3 flops over a measured time: positive and below an absurd 1 PFLOP/s on a CPU.
-    assert 0 < peak_module._measure_matmul_flops(torch.float32, n=128, repeats=2) < 1e15
+def test_real_probe_counts_two_n_cubed_over_the_fastest_repeat(monkeypatch) -> None:
+    """An n x n matmul is n^3 multiply-adds: 2 n^3 flops, over the fastest timed repeat (the
+    warm-up untimed), checked with a clock that hands out known durations."""
+    shapes = []
+    mm = torch.mm
+
+    def counted_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        shapes.append((tuple(a.shape), tuple(b.shape), a.dtype))
+        return mm(a, b)
+
+    ticks = iter([10.0, 10.5, 20.0, 20.25, 30.0, 30.4])  # repeats of 0.5 s, 0.25 s, 0.4 s
+    monkeypatch.setattr(peak_module.torch, "mm", counted_mm)
+    monkeypatch.setattr(peak_module.time, "perf_counter", lambda: next(ticks))
+    rate = peak_module._measure_matmul_flops(torch.bfloat16, n=96, repeats=3)
+    assert rate == 2 * 96**3 / 0.25
+    assert shapes == [((96, 96), (96, 96), torch.bfloat16)] * 4  # a warm-up, then 3 timed
 
 
 def test_throughput_arithmetic(monkeypatch) -> None:

@@ -8,6 +8,7 @@ from torch import nn
 
 from temper.config import Config, Job, Metrics, Training
 from temper.optim import OptimizerOffload, OptimizerOffloadedError
+from temper.optim import offload as offload_module
 from temper.trainer.trainer import Trainer
 
 
@@ -48,6 +49,20 @@ def test_offload_restore_keeps_the_next_step_and_refuses_misuse() -> None:
         _step(model, optimizer, seed=2)
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_restore_returns_each_tensor_to_its_own_device() -> None:
+    """On a CPU machine the state's home is the CPU too, so the round trip above cannot tell
+    a restore that moves a tensor home from one that leaves it on the CPU. Here the home is
+    the meta device, a stand-in for a GPU: what offload records of a tensor rebuilds the CPU
+    copy there, with its shape and dtype, and a CPU home stays on the CPU."""
+    on_device = torch.empty(3, 5, dtype=torch.bfloat16, device="meta")
+    cpu_copy = torch.zeros(3, 5, dtype=torch.bfloat16)
+    back = offload_module._rebuild(cpu_copy, offload_module._home(on_device))
+    assert back.device == torch.device("meta")
+    assert back.shape == on_device.shape and back.dtype == on_device.dtype
+    on_cpu = torch.ones(2)
+    assert offload_module._rebuild(on_cpu, offload_module._home(on_cpu)).device.type == "cpu"
 
 
 def test_trainer_offload_between_steps_changes_nothing(tmp_path) -> None:

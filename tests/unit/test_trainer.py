@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import os
+import re
 
 import pytest
 import torch
@@ -81,13 +84,76 @@ def test_non_finite_loss_stops_without_an_update(tmp_path) -> None:
     with torch.no_grad():
         trainer.engine.model.norm.weight[0] = float("nan")
     before = [p.detach().clone() for p in trainer.engine.model.parameters()]
-    with pytest.raises(NonFiniteError, match="step 1: loss nan"):
+    stopped = (
+        "step 1: loss nan / grad norm nan is not finite; the update was not applied and "
+        "training stopped; --training.skip_nonfinite N would skip up to N such steps"
+    )
+    with pytest.raises(NonFiniteError, match=re.escape(stopped)):
         trainer.train_step([batch(4, n_ignored=0)])
     after = list(trainer.engine.model.parameters())
     assert all(
         torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after, strict=True)
     )
     assert not trainer.engine.optimizer.state  # AdamW never stepped
+
+
+def poison_steps(trainer: Trainer, steps: set[int]) -> None:
+    """Make the loss of each step in ``steps`` nan (its gradients then are nan too)."""
+    loss = trainer.objective.loss
+
+    def poisoned(model, batch):
+        loss_sum, count, metrics = loss(model, batch)
+        if trainer.state.step + 1 in steps:  # the step counter moves on after the forward
+            loss_sum = loss_sum * float("nan")
+        return loss_sum, count, metrics
+
+    trainer.objective.loss = poisoned
+
+
+def test_skip_nonfinite_drops_the_step_and_trains_on(tmp_path) -> None:
+    """Step 3's loss is nan: the run equals, at every other step, a run that draws step 3's
+    batch and throws it away with no update and no move of the learning-rate schedule."""
+    skipping = Trainer(tiny_config(tmp_path / "skip", steps=5, skip_nonfinite=1), runtime=CPU)
+    poison_steps(skipping, {3})
+    skipping.train()
+    rows = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").open()]
+
+    reference = Trainer(tiny_config(tmp_path / "ref", steps=5), runtime=CPU)
+    batches, expected = iter(reference.loader), {}
+    for step in range(1, 6):
+        micro_batches = [next(batches) for _ in range(reference.grad_accum)]
+        if step == 3:
+            reference.state.step += 1
+            continue
+        metrics = reference.train_step(micro_batches)
+        expected[step] = (metrics["loss"].item(), metrics["lr"].item())
+
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    assert [row.get("skipped") for row in rows] == [None, None, 1.0, None, None]
+    assert math.isnan(rows[2]["loss"]) and math.isnan(rows[2]["grad_norm"])
+    assert {row["step"]: (row["loss"], row["lr"]) for row in rows if row["step"] != 3} == expected
+    assert skipping.state.skipped == [3]
+    assert skipping.loader.state_dict() == reference.loader.state_dict()
+    steps_taken = {s["step"].item() for s in skipping.engine.optimizer.state.values()}
+    assert steps_taken == {4.0}  # AdamW stepped at 1, 2, 4 and 5
+
+
+def test_skip_nonfinite_stops_past_its_budget(tmp_path) -> None:
+    config = tiny_config(tmp_path, steps=5, skip_nonfinite=1)
+    config.checkpoint.enable, config.checkpoint.interval = True, 3
+    trainer = Trainer(config, runtime=CPU)
+    poison_steps(trainer, {2, 4})
+    stopped = (
+        "step 4: loss nan / grad norm nan is not finite; the update was not applied and "
+        "training stopped after skipping steps 2 (training.skip_nonfinite 1)"
+    )
+    with pytest.raises(NonFiniteError, match=re.escape(stopped)):
+        trainer.train()
+    assert trainer.state.skipped == [2]
+    steps_taken = {s["step"].item() for s in trainer.engine.optimizer.state.values()}
+    assert steps_taken == {2.0}  # steps 1 and 3; neither 2 nor 4
+    resumed = Trainer(config, runtime=CPU)  # the budget spent stays spent
+    assert resumed.state.step == 3 and resumed.state.skipped == [2]
 
 
 def test_accumulation_equals_the_big_batch_run(tmp_path) -> None:
@@ -109,12 +175,22 @@ def test_accumulation_equals_the_big_batch_run(tmp_path) -> None:
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
-def test_deterministic_runs_repeat_bitwise(tmp_path) -> None:
-    losses = []
-    for name in ("a", "b"):
-        trainer = Trainer(tiny_config(tmp_path / name, deterministic=True), runtime=CPU)
-        trainer.train()
-        text = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        losses.append([json.loads(line)["loss"] for line in text])
-    torch.use_deterministic_algorithms(False)
-    assert losses[0] == losses[1]
+def test_deterministic_flag_switches_torch_to_deterministic_kernels(tmp_path) -> None:
+    """CPU fp32 training repeats bitwise with or without the flag, so repeating a run cannot
+    tell them apart. What the flag must do is put torch in deterministic mode, where an op
+    without a deterministic kernel (put_ onto a repeated index) refuses to run instead of
+    giving an order-dependent result, and fix cuBLAS's workspace, which CUDA needs to repeat."""
+
+    def put_twice_at_one_index() -> None:
+        torch.zeros(3).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+
+    Trainer(tiny_config(tmp_path / "off"), runtime=CPU)
+    put_twice_at_one_index()
+    try:
+        Trainer(tiny_config(tmp_path / "on", deterministic=True), runtime=CPU)
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            put_twice_at_one_index()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
