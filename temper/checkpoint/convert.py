@@ -3,11 +3,11 @@
     python -m temper.checkpoint.convert dcp-to-hf --checkpoint run/checkpoints/step-100 --output out
     python -m temper.checkpoint.convert hf-to-dcp --hf /models/Qwen3-0.6B --output ckpt/qwen3-0.6b
 
-`dcp-to-hf` rebuilds the model from the checkpoint's `temper.json`, loads its weights
-(from any number of ranks' shards) and writes safetensors, `config.json` and the
-tokenizer files and chat template the checkpoint carries (`--adapter-only`: a LoRA run's
-adapters as a PEFT folder). `hf-to-dcp` writes a weights-only checkpoint that a run can start
-from with `--checkpoint.initial_load`.
+`dcp-to-hf` reads the model's shape from the checkpoint's `temper.json` and streams its
+weights (from any number of ranks' shards, LoRA merged) one tensor at a time into
+safetensors shards, then writes `config.json` and the tokenizer files and chat template the
+checkpoint carries (`--adapter-only`: a LoRA run's adapters as a PEFT folder). `hf-to-dcp`
+writes a weights-only checkpoint that a run can start from with `--checkpoint.initial_load`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ from temper.checkpoint.metadata import (
     read_metadata,
     run_structure,
 )
+from temper.checkpoint.streaming import (
+    checkpoint_meta_model,
+    hf_tensor_plan,
+    streamed_hf_tensors,
+)
 from temper.checkpoint.tokenizer_files import (
     CHAT_TEMPLATE_FILE,
     TOKENIZER_FOLDER,
@@ -38,9 +43,10 @@ from temper.checkpoint.tokenizer_files import (
 )
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
-from temper.models import get_model_spec, load_hf, materialize, save_hf
-from temper.models.hf import hf_module_names
-from temper.models.lora import apply_lora, merge_lora
+from temper.models import load_hf, materialize
+from temper.models.hf import write_hf_config
+from temper.models.lora import merge_lora
+from temper.models.safetensors_io import write_safetensors_streaming
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -69,26 +75,11 @@ def check_output(output: Path, sources: Sequence[Path]) -> None:
 def load_checkpoint_model(checkpoint: Path, merge: bool = True) -> nn.Module:
     """The model a checkpoint describes, with its weights, on the CPU; LoRA adapters merged
     into their base weights (``merge``) or kept."""
-    metadata = read_metadata(checkpoint)
-    spec = get_model_spec(metadata["model"]["family"])
-    args = spec.hf_adapter.args_from_hf(metadata["model"]["hf_config"])
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    lora = metadata["structure"].get("lora")
-    if lora:
-        apply_lora(
-            model,
-            lora["target_modules"],
-            rank=lora["rank"],
-            alpha=lora["alpha"],
-            rslora=lora["rslora"],
-            hf_names=hf_module_names(model),
-        )
-    materialize(model, "cpu")
+    model = materialize(checkpoint_meta_model(checkpoint), "cpu")
     manager = CheckpointManager(checkpoint.parent, keep_latest_k=0, async_mode=False)
     manager.load(checkpoint, {"model": get_model_state_dict(model)})
     # The HF folder holds plain weights W + scale * B A.
-    return merge_lora(model) if lora and merge else model
+    return merge_lora(model) if merge else model
 
 
 def load_for_inference(
@@ -127,9 +118,8 @@ def dcp_to_hf(
         model = load_checkpoint_model(checkpoint, merge=False)
         save_peft_adapter(model, lora, output, metadata.get("hf_path"))
         return
-    model = load_checkpoint_model(checkpoint)
-    if dtype is not None:
-        model = model.to(DTYPES[dtype])
+    model = checkpoint_meta_model(checkpoint)
+    cast = DTYPES[dtype] if dtype is not None else None
     source = checkpoint_tokenizer(checkpoint, metadata)
     tokenizer = load_tokenizer(source)
     files = {
@@ -141,9 +131,12 @@ def dcp_to_hf(
     turn_end = _turn_end(tokenizer, template)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else turn_end
     stops = sorted(stop_token_ids(tokenizer, template)) if template is not None else turn_end
-    save_hf(
-        model,
+    plan = hf_tensor_plan(model, cast)
+    write_safetensors_streaming(output, plan, streamed_hf_tensors(checkpoint, model, cast))
+    write_hf_config(
         output,
+        model,
+        cast or next(model.parameters()).dtype,
         extra_config={"eos_token_id": turn_end, "pad_token_id": pad},
         generation_config={"eos_token_id": stops},
     )

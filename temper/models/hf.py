@@ -158,11 +158,11 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     dequantized as they are read.
     """
     tensors = open_tensors(folder)
-    rules = _rules_of(model)
+    rules = hf_rules(model)
     hf_config = read_json(Path(folder) / "config.json", "HF model config")
     if hf_config.get("model_type") in adapter_of(model).multimodal_types:
         rules = [dataclasses.replace(r, hf=tuple(map(_nested, r.hf))) for r in rules]
-    params = _named_tensors(model)
+    params = named_tensors(model)
     missing, wrong = [], []
     for rule in rules:
         expected = tuple(params[rule.native].shape)
@@ -209,11 +209,22 @@ def save_hf(
     takes config.json's token ids, then `generation_config`'s fields. A sharded
     model must be gathered first (`full_tensor`); this writes what the process holds.
     """
-    adapter = adapter_of(model)
     folder = Path(path)
     write_safetensors(folder, dict(hf_named_tensors(model)), max_shard_bytes)
     dtype = next(model.parameters()).dtype
-    config = {**adapter.args_to_hf(model.args), **(extra_config or {})}
+    write_hf_config(folder, model, dtype, extra_config, generation_config)
+
+
+def write_hf_config(
+    folder: Path,
+    model: nn.Module,
+    dtype: torch.dtype,
+    extra_config: dict[str, Any] | None = None,
+    generation_config: dict[str, Any] | None = None,
+) -> None:
+    """config.json and generation_config.json of `model` (meta will do) as `save_hf` writes
+    them, for weights of `dtype`."""
+    config = {**adapter_of(model).args_to_hf(model.args), **(extra_config or {})}
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {
@@ -226,12 +237,12 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every tensor of the model's HF checkpoint, gathering one
     native parameter at a time (a collective on every rank when sharded), LoRA adapters merged
     into their base weights: what an inference server loads, without a whole copy in memory."""
-    tensors = _named_tensors(model)
+    tensors = named_tensors(model)
     yielded: set[str] = set()
     adapters = {
         f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LoRALinear)
     }
-    for rule in _rules_of(model):
+    for rule in hf_rules(model):
         value = full_tensor(tensors[rule.native].detach())
         if rule.native in adapters:
             value = merged_weight(value, adapters[rule.native])
@@ -265,12 +276,13 @@ def adapter_of(model: nn.Module) -> HFAdapter:
     return adapter
 
 
-def _rules_of(model: nn.Module) -> list[KeyRule]:
+def hf_rules(model: nn.Module) -> list[KeyRule]:
+    """The rules of every HF tensor of `model`: its parameters', then its buffers'."""
     adapter = adapter_of(model)
     return adapter.key_rules(model.args) + adapter.buffer_rules(model.args)
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters (tied ones under every name) and buffers, by native name."""
     return {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
 
