@@ -46,7 +46,7 @@ from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.models import load_hf, materialize
 from temper.models.hf import write_hf_config
 from temper.models.lora import merge_lora
-from temper.models.safetensors_io import write_safetensors_streaming
+from temper.models.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_streaming
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -102,7 +102,11 @@ def load_for_inference(
 
 
 def dcp_to_hf(
-    checkpoint: Path, output: Path, dtype: str | None = None, adapter_only: bool = False
+    checkpoint: Path,
+    output: Path,
+    dtype: str | None = None,
+    adapter_only: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
     """Write an HF folder that serves as is: weights, config.json, the checkpoint's tokenizer
     files and chat template, and the token ids a server stops and pads with (for a chat run
@@ -132,7 +136,8 @@ def dcp_to_hf(
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else turn_end
     stops = sorted(stop_token_ids(tokenizer, template)) if template is not None else turn_end
     plan = hf_tensor_plan(model, cast)
-    write_safetensors_streaming(output, plan, streamed_hf_tensors(checkpoint, model, cast))
+    tensors = streamed_hf_tensors(checkpoint, model, cast)
+    write_safetensors_streaming(output, plan, tensors, max_shard_bytes)
     write_hf_config(
         output,
         model,
@@ -197,13 +202,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a LoRA run: write only its adapters as a PEFT folder (adapter_config.json, "
         "adapter_model.safetensors) for the base model's HF folder",
     )
+    to_hf.add_argument(
+        "--max-shard-gib",
+        type=float,
+        default=DEFAULT_SHARD_BYTES / 2**30,
+        help="largest safetensors file; memory peaks near twice this (default: %(default)s)",
+    )
     from_hf = commands.add_parser("hf-to-dcp", help="an HF folder -> a weights-only checkpoint")
     from_hf.add_argument("--hf", type=Path, required=True, help="a local HF model folder")
     from_hf.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "dcp-to-hf":
-            dcp_to_hf(args.checkpoint, args.output, args.dtype, args.adapter_only)
+            shard_bytes = int(args.max_shard_gib * 2**30)
+            dcp_to_hf(args.checkpoint, args.output, args.dtype, args.adapter_only, shard_bytes)
         else:
             hf_to_dcp(args.hf, args.output)
     except (OutputRefused, FileNotFoundError, ValueError) as err:

@@ -71,21 +71,23 @@ def streamed_hf_tensors(
     tensors = named_tensors(model)
     adapters = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
-    def read(name: str) -> torch.Tensor:
-        """One native tensor in the model's dtype (as loading into the model casts it)."""
+    def read(name: str, cast: torch.dtype | None = None) -> torch.Tensor:
+        """One native tensor, cast on reading to `cast` (else to the model's dtype, as loading
+        into the model casts it)."""
         meta = tensors[name]
-        state = {MODEL_PREFIX + name: torch.empty(meta.shape, dtype=meta.dtype)}
+        state = {MODEL_PREFIX + name: torch.empty(meta.shape, dtype=cast or meta.dtype)}
         dcp.load(state, storage_reader=reader)
         return state[MODEL_PREFIX + name]
 
     for rule in hf_rules(model):
-        value = read(rule.native)
-        if rule.native in adapters:
-            module = adapters[rule.native]
+        module = adapters.get(rule.native)
+        if module is None:
+            # Straight into the output dtype: the one rounding that casting the loaded model
+            # gives, without a second copy of the tensor.
+            value = read(rule.native, dtype)
+        else:  # merged in the model's dtype, then cast, as the whole model is
             prefix = rule.native.removesuffix("weight")
-            lora_a, lora_b = read(prefix + "lora_a"), read(prefix + "lora_b")
-            value = merge_adapters(value, lora_a, lora_b, module.scale)
-        if dtype is not None:
-            value = value.to(dtype)
+            weights = (read(rule.native), read(prefix + "lora_a"), read(prefix + "lora_b"))
+            value = merge_adapters(*weights, module.scale).to(dtype or weights[0].dtype)
         parts = [value] if len(rule.hf) == 1 else list(value.unbind(0))
         yield from zip(rule.hf, parts, strict=True)

@@ -94,11 +94,32 @@ def test_moe_resumes_at_another_ep_degree(tmp_path: Path, world: int, ep: int) -
     config = config_for(qwen3_moe_debug, tmp_path / "run", 2, ep=2)
     crashed = run(config, 2, crash_after=SAVED_AT)
     assert crashed["ep"] == 2 and crashed["steps"] == list(range(1, SAVED_AT + 1))
+    assert_streamed_export_is_exact(tmp_path / "run" / "checkpoints" / f"step-{SAVED_AT}")
     resumed = run(config_for(qwen3_moe_debug, tmp_path / "run", world, ep=ep), world)
     assert resumed["resumed_from"] == SAVED_AT and resumed["ep"] == ep
     assert resumed["steps"] == list(range(1, STEPS + 1))
     assert resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5)
     assert resumed["next_row"] == straight["next_row"]
+
+
+def assert_streamed_export_is_exact(folder: Path) -> None:
+    """The streaming converter reads EP-sharded experts into the files that loading the
+    whole model (DCP resharding it into one process) and saving it writes."""
+    from temper.checkpoint.convert import load_checkpoint_model
+    from temper.checkpoint.streaming import (
+        checkpoint_meta_model,
+        hf_tensor_plan,
+        streamed_hf_tensors,
+    )
+    from temper.models import save_hf
+    from temper.models.safetensors_io import SINGLE_FILE, write_safetensors_streaming
+
+    whole, streamed = folder.parents[2] / "whole", folder.parents[2] / "streamed"
+    save_hf(load_checkpoint_model(folder), whole)
+    model = checkpoint_meta_model(folder)
+    tensors = streamed_hf_tensors(folder, model, None)
+    write_safetensors_streaming(streamed, hf_tensor_plan(model, None), tensors)
+    assert (streamed / SINGLE_FILE).read_bytes() == (whole / SINGLE_FILE).read_bytes()
 
 
 def test_resume_after_an_async_save_is_bitwise(tmp_path: Path) -> None:

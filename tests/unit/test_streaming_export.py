@@ -53,10 +53,11 @@ def checkpoint(folder: Path, family: str, overrides: dict, lora: bool) -> Path:
     ("family", "overrides", "lora", "dtype"),
     [
         ("llama3", SMALL, True, None),
+        ("llama3", SMALL, True, torch.bfloat16),
         ("llama3", SMALL, False, torch.bfloat16),
         ("qwen3_moe", MOE, False, None),
     ],
-    ids=["llama3-lora", "llama3-bf16", "qwen3_moe"],
+    ids=["llama3-lora", "llama3-lora-bf16", "llama3-bf16", "qwen3_moe"],
 )
 def test_streamed_files_equal_the_whole_model_save(
     tmp_path: Path, family: str, overrides: dict, lora: bool, dtype: torch.dtype | None
