@@ -7,7 +7,8 @@
 weights (from any number of ranks' shards, LoRA merged) one tensor at a time into
 safetensors shards, then writes `config.json` and the tokenizer files and chat template the
 checkpoint carries (`--adapter-only`: a LoRA run's adapters as a PEFT folder). `hf-to-dcp`
-writes a weights-only checkpoint that a run can start from with `--checkpoint.initial_load`.
+streams an HF folder the other way into a weights-only checkpoint that a run can start from
+with `--checkpoint.initial_load`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from temper.checkpoint.metadata import (
     run_structure,
 )
 from temper.checkpoint.streaming import (
+    MODEL_PREFIX,
     checkpoint_meta_model,
     hf_tensor_plan,
     streamed_hf_tensors,
@@ -44,7 +46,7 @@ from temper.checkpoint.tokenizer_files import (
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.models import load_hf, materialize
-from temper.models.hf import write_hf_config
+from temper.models.hf import build_hf_model, hf_weight_readers, write_hf_config
 from temper.models.lora import merge_lora
 from temper.models.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_streaming
 
@@ -175,8 +177,11 @@ def _turn_end(tokenizer: Tokenizer, template: str | None) -> int:
 
 
 def hf_to_dcp(hf: Path, output: Path) -> None:
+    """A weights-only checkpoint of an HF folder, streamed: the model only on meta, each
+    tensor read from the safetensors (experts stacked, in fp32) when DCP writes it."""
     check_output(output, [hf])
-    model = load_hf(hf)
+    model = build_hf_model(hf)
+    readers = hf_weight_readers(model, hf)
     metadata = build_metadata(
         model,
         step=0,
@@ -184,7 +189,13 @@ def hf_to_dcp(hf: Path, output: Path) -> None:
         extra={"tokenizer_source": str(hf.resolve()), "hf_path": str(hf.resolve())},
     )
     state = {"model": get_model_state_dict(model)}
-    write_checkpoint(output, state, metadata, files=tokenizer_files(str(hf), None))
+    write_checkpoint(
+        output,
+        state,
+        metadata,
+        files=tokenizer_files(str(hf), None),
+        produce=lambda name: readers[name.removeprefix(MODEL_PREFIX)](),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

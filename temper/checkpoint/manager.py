@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
 
 from temper.checkpoint.integrity import MANIFEST_FILE, IncompleteCheckpoint, manifest_text, verify
 from temper.checkpoint.metadata import METADATA_FILE, read_metadata
@@ -183,12 +187,33 @@ def write_checkpoint(
     metadata: dict[str, Any],
     keep_latest_k: int = 0,
     files: dict[str, str] | None = None,
+    produce: Callable[[str], torch.Tensor] | None = None,
 ) -> None:
     """Synchronously and atomically write `state` as the checkpoint folder `final`, with the
-    text `files` (relative name -> text)."""
+    text `files` (relative name -> text).
+
+    With `produce`, the tensors of `state` are placeholders (meta tensors of the right shape
+    and dtype) and `produce(dotted_name)` makes each one only when DCP writes it, each to a
+    file of its own: one tensor in memory at a time.
+    """
     partial, tensors, files = _prepare(final, state, metadata, files)
-    dcp.save(tensors, checkpoint_id=str(partial))
+    if produce is None:
+        dcp.save(tensors, checkpoint_id=str(partial))
+    else:
+        writer = FileSystemWriter(partial, single_file_per_rank=False)
+        dcp.save(tensors, storage_writer=writer, planner=_ProducingPlanner(produce))
     _publish(partial, final, files, keep_latest_k)
+
+
+class _ProducingPlanner(DefaultSavePlanner):
+    """Plans from placeholders; hands DCP each tensor's value only when it writes it."""
+
+    def __init__(self, produce: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self.produce = produce
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self.produce(write_item.index.fqn)
 
 
 def _prepare(

@@ -157,6 +157,36 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     config.json says ``quant_method: mxfp4`` (gpt-oss releases) has its MXFP4 tensors
     dequantized as they are read.
     """
+    rules, tensors = _checked_sources(model, folder)
+    params = named_tensors(model)
+    with torch.no_grad():
+        for rule in rules:
+            _fill(params[rule.native], rule, tensors)
+
+
+def hf_weight_readers(
+    model: nn.Module, folder: str | os.PathLike[str]
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """Native name -> a function that reads that whole tensor from an HF folder, in the
+    model's dtype (tied weights under each name): the values `load_hf_weights` fills in,
+    for a writer that takes them one at a time. `model` may be on meta; the folder is
+    checked as `load_hf_weights` checks it, before anything is read."""
+    rules, tensors = _checked_sources(model, folder)
+    params = named_tensors(model)
+    rule_of = {id(params[rule.native]): rule for rule in rules}
+
+    def reader(param: torch.Tensor) -> Callable[[], torch.Tensor]:
+        rule = rule_of[id(param)]
+        return lambda: _read_rows(rule, tensors, slice(0, param.shape[0])).to(param.dtype)
+
+    return {name: reader(param) for name, param in params.items() if id(param) in rule_of}
+
+
+def _checked_sources(
+    model: nn.Module, folder: str | os.PathLike[str]
+) -> tuple[list[KeyRule], SafetensorsFolder | Mxfp4Folder]:
+    """The model's rules (under a vision-language folder's names) and the folder's tensors,
+    every missing and mis-shaped tensor named in one error."""
     tensors = open_tensors(folder)
     rules = hf_rules(model)
     hf_config = read_json(Path(folder) / "config.json", "HF model config")
@@ -179,9 +209,7 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
         if wrong:
             problems.append(f"mis-shaped tensors: {describe(wrong)}")
         raise ValueError(f"{folder}: does not fit {type(model).__name__}: " + "; ".join(problems))
-    with torch.no_grad():
-        for rule in rules:
-            _fill(params[rule.native], rule, tensors)
+    return rules, tensors
 
 
 def open_tensors(folder: str | os.PathLike[str]) -> SafetensorsFolder | Mxfp4Folder:

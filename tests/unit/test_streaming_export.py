@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from temper.checkpoint.convert import dcp_to_hf, load_checkpoint_model
+from temper.checkpoint.convert import dcp_to_hf, hf_to_dcp, load_checkpoint_model
 from temper.checkpoint.manager import write_checkpoint
 from temper.checkpoint.metadata import build_metadata, run_structure
 from temper.checkpoint.streaming import (
@@ -20,7 +20,7 @@ from temper.checkpoint.streaming import (
     streamed_hf_tensors,
 )
 from temper.config import LoRA
-from temper.models import build_model, materialize, save_hf
+from temper.models import build_model, load_hf, materialize, save_hf
 from temper.models.hf import hf_module_names
 from temper.models.lora import apply_lora, lora_modules
 from temper.models.safetensors_io import write_safetensors_streaming
@@ -92,3 +92,33 @@ def test_dcp_to_hf_never_builds_the_model(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("temper.checkpoint.convert.materialize", refuse)
     dcp_to_hf(folder, tmp_path / "hf")
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("qwen3", {**SMALL, "head_dim": 16}), ("qwen3_moe", MOE)],
+    ids=["qwen3-tied", "qwen3_moe"],
+)
+def test_hf_to_dcp_streams_the_weights_load_hf_reads(
+    tmp_path: Path, family: str, overrides: dict, monkeypatch
+) -> None:
+    """Each tensor (tied embeddings under both names, stacked experts) read when DCP writes
+    it: the checkpoint holds exactly what loading the folder whole gives."""
+    torch.manual_seed(0)
+    save_hf(
+        build_model(family, "debug", device="cpu", vocab_size=64, overrides=overrides),
+        tmp_path / "hf",
+    )
+    reference = load_hf(tmp_path / "hf")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("hf-to-dcp loaded the whole model")
+
+    monkeypatch.setattr("temper.checkpoint.convert.load_hf", refuse)
+    monkeypatch.setattr("temper.checkpoint.convert.materialize", refuse)
+    hf_to_dcp(tmp_path / "hf", tmp_path / "ckpt")
+    monkeypatch.undo()
+    loaded = load_checkpoint_model(tmp_path / "ckpt").state_dict()
+    assert loaded.keys() == reference.state_dict().keys()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
