@@ -86,7 +86,14 @@ def read_dcp_metadata(folder: str | os.PathLike[str]) -> Metadata:
             metadata = _MetadataUnpickler(file, path).load()
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{path}: not found; {folder} is not a DCP checkpoint") from err
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as err:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        TypeError,
+        KeyError,
+        IndexError,
+    ) as err:
         raise UnsafeCheckpoint(f"{path}: not a readable DCP metadata file ({err})") from err
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpoint(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")

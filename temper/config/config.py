@@ -450,8 +450,8 @@ def _check_checkpoint(checkpoint: Checkpoint) -> None:
     ]
     if idle:
         raise ConfigError(
-            f"{', '.join(idle)} changes how checkpoints are saved or resumed, and none are "
-            "without --checkpoint.enable: add it, or drop the flag"
+            f"{', '.join(idle)} does nothing without --checkpoint.enable (no checkpoint is "
+            "saved or resumed): add it, or drop the flag"
         )
     if checkpoint.initial_load is not None and not os.path.isfile(
         os.path.join(checkpoint.initial_load, "temper.json")

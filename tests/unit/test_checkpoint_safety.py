@@ -97,9 +97,7 @@ def test_real_metadata_of_every_dtype_passes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
-def test_a_damaged_shard_is_named_and_auto_resume_falls_back(
-    tmp_path: Path, damage: str
-) -> None:
+def test_a_damaged_shard_is_named_and_auto_resume_falls_back(tmp_path: Path, damage: str) -> None:
     manager = saved(tmp_path, steps=(4, 8))
     shard = next((tmp_path / "step-8").glob("*.distcp"))
     if damage == "truncated":
@@ -142,3 +140,14 @@ def test_a_checkpoint_flag_without_enable_is_refused(flag: list[str]) -> None:
     with pytest.raises(ConfigError, match=rf"{name} .* without --checkpoint.enable"):
         load_config("temper.recipes.llama3", "llama3_debug", flag)
     load_config("temper.recipes.llama3", "llama3_debug", [*flag, "--checkpoint.enable"])
+
+
+def test_a_garbled_metadata_is_named(tmp_path: Path) -> None:
+    """Half a `.metadata` (its manifest rewritten to match) is refused naming the file."""
+    manager = saved(tmp_path)
+    folder = tmp_path / "step-3"
+    data = (folder / ".metadata").read_bytes()
+    (folder / ".metadata").write_bytes(data[: len(data) // 2])
+    (folder / "manifest.json").write_text(manifest_text(folder))
+    with pytest.raises(UnsafeCheckpoint, match=rf"{folder}/\.metadata: not a readable DCP"):
+        manager.load(3, {"model": get_model_state_dict(tiny_model(1))})
