@@ -35,6 +35,7 @@ from temper.checkpoint.streaming import (
     MODEL_PREFIX,
     checkpoint_meta_model,
     hf_tensor_plan,
+    load_adapters,
     streamed_hf_tensors,
 )
 from temper.checkpoint.tokenizer_files import (
@@ -74,14 +75,13 @@ def check_output(output: Path, sources: Sequence[Path]) -> None:
         )
 
 
-def load_checkpoint_model(checkpoint: Path, merge: bool = True) -> nn.Module:
-    """The model a checkpoint describes, with its weights, on the CPU; LoRA adapters merged
-    into their base weights (``merge``) or kept."""
+def load_checkpoint_model(checkpoint: Path) -> nn.Module:
+    """The model a checkpoint describes, with its weights, on the CPU, LoRA adapters merged
+    into their base weights (W + scale * B A, as the HF folder holds them)."""
     model = materialize(checkpoint_meta_model(checkpoint), "cpu")
     manager = CheckpointManager(checkpoint.parent, keep_latest_k=0, async_mode=False)
     manager.load(checkpoint, {"model": get_model_state_dict(model)})
-    # The HF folder holds plain weights W + scale * B A.
-    return merge_lora(model) if merge else model
+    return merge_lora(model)
 
 
 def load_for_inference(
@@ -121,7 +121,7 @@ def dcp_to_hf(
         lora = metadata["structure"].get("lora")
         if not lora:
             raise ValueError(f"--adapter-only: {checkpoint} was not trained with LoRA")
-        model = load_checkpoint_model(checkpoint, merge=False)
+        model = load_adapters(checkpoint, checkpoint_meta_model(checkpoint))
         save_peft_adapter(model, lora, output, metadata.get("hf_path"))
         return
     model = checkpoint_meta_model(checkpoint)

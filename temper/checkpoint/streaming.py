@@ -91,3 +91,22 @@ def streamed_hf_tensors(
             value = merge_adapters(*weights, module.scale).to(dtype or weights[0].dtype)
         parts = [value] if len(rule.hf) == 1 else list(value.unbind(0))
         yield from zip(rule.hf, parts, strict=True)
+
+
+def load_adapters(checkpoint: Path, model: nn.Module) -> nn.Module:
+    """`model` (the `checkpoint_meta_model`) with only its LoRA adapters read from the
+    checkpoint, every base weight left on meta: what a PEFT adapter export needs."""
+    verify(checkpoint)
+    adapters = {
+        f"{name}.{part}": getattr(module, part)
+        for name, module in model.named_modules()
+        if isinstance(module, LoRALinear)
+        for part in ("lora_a", "lora_b")
+    }
+    state = {MODEL_PREFIX + n: torch.empty(p.shape, dtype=p.dtype) for n, p in adapters.items()}
+    dcp.load(state, storage_reader=CheckpointReader(checkpoint))
+    for name in adapters:
+        owner, _, part = name.rpartition(".")
+        value = nn.Parameter(state[MODEL_PREFIX + name], requires_grad=False)
+        setattr(model.get_submodule(owner), part, value)
+    return model
