@@ -3,11 +3,12 @@
     python -m temper.checkpoint.convert dcp-to-hf --checkpoint run/checkpoints/step-100 --output out
     python -m temper.checkpoint.convert hf-to-dcp --hf /models/Qwen3-0.6B --output ckpt/qwen3-0.6b
 
-`dcp-to-hf` rebuilds the model from the checkpoint's `temper.json`, loads its weights
-(from any number of ranks' shards) and writes safetensors, `config.json` and the
-tokenizer files and chat template the checkpoint carries (`--adapter-only`: a LoRA run's
-adapters as a PEFT folder). `hf-to-dcp` writes a weights-only checkpoint that a run can start
-from with `--checkpoint.initial_load`.
+`dcp-to-hf` reads the model's shape from the checkpoint's `temper.json` and streams its
+weights (from any number of ranks' shards, LoRA merged) one tensor at a time into
+safetensors shards, then writes `config.json` and the tokenizer files and chat template the
+checkpoint carries (`--adapter-only`: a LoRA run's adapters as a PEFT folder). `hf-to-dcp`
+streams an HF folder the other way into a weights-only checkpoint that a run can start from
+with `--checkpoint.initial_load`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ from temper.checkpoint.metadata import (
     read_metadata,
     run_structure,
 )
+from temper.checkpoint.streaming import (
+    MODEL_PREFIX,
+    checkpoint_meta_model,
+    hf_tensor_plan,
+    load_adapters,
+    streamed_hf_tensors,
+)
 from temper.checkpoint.tokenizer_files import (
     CHAT_TEMPLATE_FILE,
     TOKENIZER_FOLDER,
@@ -38,9 +46,10 @@ from temper.checkpoint.tokenizer_files import (
 )
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
-from temper.models import get_model_spec, load_hf, materialize, save_hf
-from temper.models.hf import hf_module_names
-from temper.models.lora import apply_lora, merge_lora
+from temper.models import load_hf, materialize
+from temper.models.hf import build_hf_model, hf_weight_readers, write_hf_config
+from temper.models.lora import merge_lora
+from temper.models.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_streaming
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -66,29 +75,13 @@ def check_output(output: Path, sources: Sequence[Path]) -> None:
         )
 
 
-def load_checkpoint_model(checkpoint: Path, merge: bool = True) -> nn.Module:
-    """The model a checkpoint describes, with its weights, on the CPU; LoRA adapters merged
-    into their base weights (``merge``) or kept."""
-    metadata = read_metadata(checkpoint)
-    spec = get_model_spec(metadata["model"]["family"])
-    args = spec.hf_adapter.args_from_hf(metadata["model"]["hf_config"])
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    lora = metadata["structure"].get("lora")
-    if lora:
-        apply_lora(
-            model,
-            lora["target_modules"],
-            rank=lora["rank"],
-            alpha=lora["alpha"],
-            rslora=lora["rslora"],
-            hf_names=hf_module_names(model),
-        )
-    materialize(model, "cpu")
+def load_checkpoint_model(checkpoint: Path) -> nn.Module:
+    """The model a checkpoint describes, with its weights, on the CPU, LoRA adapters merged
+    into their base weights (W + scale * B A, as the HF folder holds them)."""
+    model = materialize(checkpoint_meta_model(checkpoint), "cpu")
     manager = CheckpointManager(checkpoint.parent, keep_latest_k=0, async_mode=False)
     manager.load(checkpoint, {"model": get_model_state_dict(model)})
-    # The HF folder holds plain weights W + scale * B A.
-    return merge_lora(model) if lora and merge else model
+    return merge_lora(model)
 
 
 def load_for_inference(
@@ -111,7 +104,11 @@ def load_for_inference(
 
 
 def dcp_to_hf(
-    checkpoint: Path, output: Path, dtype: str | None = None, adapter_only: bool = False
+    checkpoint: Path,
+    output: Path,
+    dtype: str | None = None,
+    adapter_only: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
     """Write an HF folder that serves as is: weights, config.json, the checkpoint's tokenizer
     files and chat template, and the token ids a server stops and pads with (for a chat run
@@ -124,12 +121,11 @@ def dcp_to_hf(
         lora = metadata["structure"].get("lora")
         if not lora:
             raise ValueError(f"--adapter-only: {checkpoint} was not trained with LoRA")
-        model = load_checkpoint_model(checkpoint, merge=False)
+        model = load_adapters(checkpoint, checkpoint_meta_model(checkpoint))
         save_peft_adapter(model, lora, output, metadata.get("hf_path"))
         return
-    model = load_checkpoint_model(checkpoint)
-    if dtype is not None:
-        model = model.to(DTYPES[dtype])
+    model = checkpoint_meta_model(checkpoint)
+    cast = DTYPES[dtype] if dtype is not None else None
     source = checkpoint_tokenizer(checkpoint, metadata)
     tokenizer = load_tokenizer(source)
     files = {
@@ -141,9 +137,13 @@ def dcp_to_hf(
     turn_end = _turn_end(tokenizer, template)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else turn_end
     stops = sorted(stop_token_ids(tokenizer, template)) if template is not None else turn_end
-    save_hf(
-        model,
+    plan = hf_tensor_plan(model, cast)
+    tensors = streamed_hf_tensors(checkpoint, model, cast)
+    write_safetensors_streaming(output, plan, tensors, max_shard_bytes)
+    write_hf_config(
         output,
+        model,
+        cast or next(model.parameters()).dtype,
         extra_config={"eos_token_id": turn_end, "pad_token_id": pad},
         generation_config={"eos_token_id": stops},
         carry_from=_existing(metadata.get("hf_path")),
@@ -184,8 +184,11 @@ def _turn_end(tokenizer: Tokenizer, template: str | None) -> int:
 
 
 def hf_to_dcp(hf: Path, output: Path) -> None:
+    """A weights-only checkpoint of an HF folder, streamed: the model only on meta, each
+    tensor read from the safetensors (experts stacked, in fp32) when DCP writes it."""
     check_output(output, [hf])
-    model = load_hf(hf)
+    model = build_hf_model(hf)
+    readers = hf_weight_readers(model, hf)
     metadata = build_metadata(
         model,
         step=0,
@@ -193,7 +196,13 @@ def hf_to_dcp(hf: Path, output: Path) -> None:
         extra={"tokenizer_source": str(hf.resolve()), "hf_path": str(hf.resolve())},
     )
     state = {"model": get_model_state_dict(model)}
-    write_checkpoint(output, state, metadata, files=tokenizer_files(str(hf), None))
+    write_checkpoint(
+        output,
+        state,
+        metadata,
+        files=tokenizer_files(str(hf), None),
+        produce=lambda name: readers[name.removeprefix(MODEL_PREFIX)](),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,13 +220,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a LoRA run: write only its adapters as a PEFT folder (adapter_config.json, "
         "adapter_model.safetensors) for the base model's HF folder",
     )
+    to_hf.add_argument(
+        "--max-shard-gib",
+        type=float,
+        default=DEFAULT_SHARD_BYTES / 2**30,
+        help="largest safetensors file; memory peaks near twice this (default: %(default)s)",
+    )
     from_hf = commands.add_parser("hf-to-dcp", help="an HF folder -> a weights-only checkpoint")
     from_hf.add_argument("--hf", type=Path, required=True, help="a local HF model folder")
     from_hf.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "dcp-to-hf":
-            dcp_to_hf(args.checkpoint, args.output, args.dtype, args.adapter_only)
+            shard_bytes = int(args.max_shard_gib * 2**30)
+            dcp_to_hf(args.checkpoint, args.output, args.dtype, args.adapter_only, shard_bytes)
         else:
             hf_to_dcp(args.hf, args.output)
     except (OutputRefused, FileNotFoundError, ValueError) as err:

@@ -1,9 +1,11 @@
 """Atomic DCP checkpoints in `<dump>/checkpoints/step-<N>/`, the latest K kept.
 
 A save is written to `.step-<N>.partial/` and renamed to `step-<N>/` only once every
-rank's shards, the DCP metadata, `state.json` and `temper.json` are on disk. So a
-folder named `step-<N>` is always complete: a crash or a full disk mid-save leaves
-the previous checkpoint as it was, and the next save clears the partial folder.
+rank's shards, the DCP metadata, `state.json`, `temper.json` and last `manifest.json` (each
+file's size) are on disk. So a folder named `step-<N>` was complete when written: a crash
+or a full disk mid-save leaves the previous checkpoint as it was, and the partial folder
+is removed when the run restarts. A file lost or truncated since is found by the manifest
+at load, and `resume auto` falls back to the checkpoint before.
 """
 
 from __future__ import annotations
@@ -13,16 +15,21 @@ import os
 import re
 import shutil
 import warnings
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
 
+from temper.checkpoint.integrity import MANIFEST_FILE, IncompleteCheckpoint, manifest_text, verify
 from temper.checkpoint.metadata import METADATA_FILE, read_metadata
+from temper.checkpoint.reader import DCP_METADATA_FILE, CheckpointReader
 from temper.checkpoint.state import join_tensors, split_tensors
 
 # DCP warns at every save and load without a process group that it assumes one process,
@@ -38,6 +45,11 @@ warnings.filterwarnings(
 
 STATE_FILE = "state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_PARTIAL_DIR = re.compile(r"^\.step-\d+\.partial$")
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was passed over or a partial save removed; the run goes on."""
 
 
 def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -52,33 +64,45 @@ def complete_steps(root: str | os.PathLike[str]) -> list[int]:
     steps = []
     for entry in root.iterdir():
         match = _STEP_DIR.match(entry.name)
-        if match and (entry / METADATA_FILE).is_file() and (entry / ".metadata").is_file():
+        if match and (entry / METADATA_FILE).is_file() and (entry / DCP_METADATA_FILE).is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
 
 
 def resolve_resume(root: str | os.PathLike[str], resume: str) -> int | None:
-    """The step to resume from: `auto` = latest complete (None if none), `never`, or a step."""
+    """The step to resume from: `auto` = the latest whose files are all there (None if
+    none; each one passed over is warned about), `never`, or a step (which must be intact).
+    """
     if resume == "never":
         return None
     steps = complete_steps(root)
     if resume == "auto":
-        return steps[-1] if steps else None
+        for step in reversed(steps):
+            try:
+                verify(checkpoint_dir(root, step))
+                return step
+            except IncompleteCheckpoint as err:
+                _warn(f"{err}; resuming from the checkpoint before it instead")
+        return None
     step = int(resume)
     if step not in steps:
         raise FileNotFoundError(
             f"checkpoint.resume {resume}: no complete checkpoint {checkpoint_dir(root, step)}; "
             f"complete steps there: {steps or 'none'}"
         )
+    verify(checkpoint_dir(root, step))
     return step
 
 
-@dataclass
-class _PendingSave:
-    future: Future
-    partial: Path
-    final: Path
-    files: dict[str, str]
+def remove_partial_saves(root: str | os.PathLike[str]) -> None:
+    """Delete the `.step-<N>.partial` folders of saves a crash interrupted (main rank)."""
+    root = Path(root)
+    if not _is_main() or not root.is_dir():
+        return
+    for entry in sorted(root.iterdir()):
+        if _PARTIAL_DIR.match(entry.name) and entry.is_dir():
+            shutil.rmtree(entry)
+            _warn(f"{entry}: removed the partial save an interrupted run left")
 
 
 class CheckpointManager:
@@ -90,7 +114,8 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_latest_k = keep_latest_k
         self.async_mode = async_mode
-        self._pending: _PendingSave | None = None
+        self._pending: Future | None = None
+        self._publisher: ThreadPoolExecutor | None = None
         self._async_group: dist.ProcessGroup | None = None
 
     def save(
@@ -103,9 +128,9 @@ class CheckpointManager:
         """Write `state` (nested dicts of tensors and JSON values) as checkpoint `step`, with
         `files` (relative name -> text: the tokenizer's) beside it.
 
-        In async mode this returns once the tensors are staged in memory; the files
-        are written in the background and renamed into place by the next `save`
-        or `wait`.
+        In async mode this returns once the tensors are staged in memory; the files are
+        written in the background and renamed into place as soon as every rank's are
+        written, so a run killed later resumes from this step.
         """
         self.wait()
         final = checkpoint_dir(self.root, step)
@@ -113,18 +138,21 @@ class CheckpointManager:
             write_checkpoint(final, state, metadata, self.keep_latest_k, files)
             return
         partial, tensors, files = _prepare(final, state, metadata, files)
-        future = dcp.async_save(
-            tensors, checkpoint_id=str(partial), process_group=self._background_group()
+        group = self._background_group()
+        writes = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=group)
+        if self._publisher is None:
+            self._publisher = ThreadPoolExecutor(1, thread_name_prefix="temper-checkpoint")
+        self._pending = self._publisher.submit(
+            _publish_when_written, writes, partial, final, files, self.keep_latest_k, group
         )
-        self._pending = _PendingSave(future, partial, final, files)
 
     def wait(self) -> None:
-        """Finish a pending asynchronous save (no-op when none)."""
+        """Block until a pending asynchronous save is published (no-op when none); raises
+        what failed in it."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        pending.future.result()
-        _publish(pending.partial, pending.final, pending.files, self.keep_latest_k)
+        pending.result()
 
     def load(self, step: int | Path, state: dict[str, Any]) -> dict[str, Any]:
         """Fill the tensors of `state` in place from a checkpoint (a step or a folder) and
@@ -134,8 +162,9 @@ class CheckpointManager:
         of a full checkpoint. Sharded tensors are resharded to the current layout.
         """
         folder = step if isinstance(step, Path) else checkpoint_dir(self.root, step)
+        verify(folder)
         tensors, _ = split_tensors(state)
-        dcp.load(tensors, checkpoint_id=str(folder))
+        dcp.load(tensors, storage_reader=CheckpointReader(folder))
         skeleton = json.loads((folder / STATE_FILE).read_text())
         return join_tensors(_select(skeleton, state), tensors)
 
@@ -158,12 +187,33 @@ def write_checkpoint(
     metadata: dict[str, Any],
     keep_latest_k: int = 0,
     files: dict[str, str] | None = None,
+    produce: Callable[[str], torch.Tensor] | None = None,
 ) -> None:
     """Synchronously and atomically write `state` as the checkpoint folder `final`, with the
-    text `files` (relative name -> text)."""
+    text `files` (relative name -> text).
+
+    With `produce`, the tensors of `state` are placeholders (meta tensors of the right shape
+    and dtype) and `produce(dotted_name)` makes each one only when DCP writes it, each to a
+    file of its own: one tensor in memory at a time.
+    """
     partial, tensors, files = _prepare(final, state, metadata, files)
-    dcp.save(tensors, checkpoint_id=str(partial))
+    if produce is None:
+        dcp.save(tensors, checkpoint_id=str(partial))
+    else:
+        writer = FileSystemWriter(partial, single_file_per_rank=False)
+        dcp.save(tensors, storage_writer=writer, planner=_ProducingPlanner(produce))
     _publish(partial, final, files, keep_latest_k)
+
+
+class _ProducingPlanner(DefaultSavePlanner):
+    """Plans from placeholders; hands DCP each tensor's value only when it writes it."""
+
+    def __init__(self, produce: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self.produce = produce
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self.produce(write_item.index.fqn)
 
 
 def _prepare(
@@ -180,11 +230,32 @@ def _prepare(
     return partial, tensors, {**(extra or {}), **files}
 
 
-def _publish(partial: Path, final: Path, files: dict[str, str], keep_latest_k: int) -> None:
-    """After every rank's shards are written: JSON files, then the atomic rename."""
+def _publish_when_written(
+    writes: Future,
+    partial: Path,
+    final: Path,
+    files: dict[str, str],
+    keep_latest_k: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """An async save's last part, on the publisher thread: its writes, then `_publish` (on
+    the save's own group, never the training one)."""
+    writes.result()
+    _publish(partial, final, files, keep_latest_k, group)
+
+
+def _publish(
+    partial: Path,
+    final: Path,
+    files: dict[str, str],
+    keep_latest_k: int,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """After every rank's shards are written: JSON files, the manifest, the atomic rename."""
     if _is_main():
         for name, text in files.items():
             _write_durably(partial / name, text)
+        _write_durably(partial / MANIFEST_FILE, manifest_text(partial))
         if final.exists():  # re-saving a step: the new copy replaces the old one
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -192,7 +263,12 @@ def _publish(partial: Path, final: Path, files: dict[str, str], keep_latest_k: i
         if keep_latest_k > 0:
             for step in complete_steps(final.parent)[:-keep_latest_k]:
                 shutil.rmtree(checkpoint_dir(final.parent, step), ignore_errors=True)
-    _barrier()
+    _barrier(group)
+
+
+def _warn(message: str) -> None:
+    if _is_main():
+        warnings.warn(message, CheckpointWarning, stacklevel=3)
 
 
 def _is_main() -> bool:
@@ -220,9 +296,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def rng_state() -> dict[str, torch.Tensor]:

@@ -44,7 +44,8 @@ def build_metadata(
 
 
 def structure_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Human-readable differences in what must match to resume: model and structure."""
+    """Human-readable differences in what must match to resume: model and structure (but
+    not its layout, `LAYOUT_FIELDS`)."""
     differences = []
     if saved["model"]["family"] != current["model"]["family"]:
         differences.append(
@@ -55,8 +56,20 @@ def structure_differences(saved: dict[str, Any], current: dict[str, Any]) -> lis
         differences += _dict_differences(
             "model.args", saved["model"]["args"], current["model"]["args"]
         )
-    differences += _dict_differences("structure", saved["structure"], current["structure"])
+    differences += _dict_differences(
+        "structure", _without_layout(saved["structure"]), _without_layout(current["structure"])
+    )
     return differences
+
+
+LAYOUT_FIELDS = ("ep",)
+"""Structure recorded for the record only: the EP degree lays the same experts out over
+ranks, and DCP reshards them on load as it does FSDP shards (every expert is in the
+checkpoint whatever the degree), so a run resumes at another EP degree."""
+
+
+def _without_layout(structure: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in structure.items() if key not in LAYOUT_FIELDS}
 
 
 def read_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:

@@ -458,6 +458,16 @@ def _check_checkpoint(checkpoint: Checkpoint) -> None:
             f"checkpoint.hf_export {checkpoint.hf_export} exports checkpoints: add "
             "--checkpoint.enable"
         )
+    idle = [
+        f"checkpoint.{name} {getattr(checkpoint, name)}"
+        for name in ("interval", "keep_latest_k", "async_mode", "resume")
+        if getattr(checkpoint, name) != getattr(Checkpoint, name) and not checkpoint.enable
+    ]
+    if idle:
+        raise ConfigError(
+            f"{', '.join(idle)} does nothing without --checkpoint.enable (no checkpoint is "
+            "saved or resumed): add it, or drop the flag"
+        )
     if checkpoint.initial_load is not None and not os.path.isfile(
         os.path.join(checkpoint.initial_load, "temper.json")
     ):

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from temper.checkpoint.manager import (
     CheckpointManager,
+    remove_partial_saves,
     resolve_resume,
     rng_state,
     set_rng_state,
@@ -74,6 +75,8 @@ class TrainCheckpointer:
         model, LoRA applied): before any weight is allocated, so a wrong flavor fails at once.
         """
         current = self.metadata(model, step=0, extra={"tokens_seen": 0})
+        if self.config.enable:
+            remove_partial_saves(self.root)
         self._resume_step = (
             resolve_resume(self.root, self.config.resume) if self.config.enable else None
         )

@@ -144,9 +144,39 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     config.json says ``quant_method: mxfp4`` (gpt-oss releases) has its MXFP4 tensors
     dequantized as they are read.
     """
+    rules, tensors = _checked_sources(model, folder)
+    params = named_tensors(model)
+    with torch.no_grad():
+        for rule in rules:
+            _fill(params[rule.native], rule, tensors)
+
+
+def hf_weight_readers(
+    model: nn.Module, folder: str | os.PathLike[str]
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """Native name -> a function that reads that whole tensor from an HF folder, in the
+    model's dtype (tied weights under each name): the values `load_hf_weights` fills in,
+    for a writer that takes them one at a time. `model` may be on meta; the folder is
+    checked as `load_hf_weights` checks it, before anything is read."""
+    rules, tensors = _checked_sources(model, folder)
+    params = named_tensors(model)
+    rule_of = {id(params[rule.native]): rule for rule in rules}
+
+    def reader(param: torch.Tensor) -> Callable[[], torch.Tensor]:
+        rule = rule_of[id(param)]
+        return lambda: _read_rows(rule, tensors, slice(0, param.shape[0])).to(param.dtype)
+
+    return {name: reader(param) for name, param in params.items() if id(param) in rule_of}
+
+
+def _checked_sources(
+    model: nn.Module, folder: str | os.PathLike[str]
+) -> tuple[list[KeyRule], SafetensorsFolder | Mxfp4Folder]:
+    """The model's rules and the folder's tensors, every missing and mis-shaped tensor named
+    in one error."""
     tensors = open_tensors(folder)
-    rules = _rules_of(model)
-    params = _named_tensors(model)
+    rules = hf_rules(model)
+    params = named_tensors(model)
     missing, wrong = [], []
     for rule in rules:
         expected = tuple(params[rule.native].shape)
@@ -163,9 +193,7 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
         if wrong:
             problems.append(f"mis-shaped tensors: {describe(wrong)}")
         raise ValueError(f"{folder}: does not fit {type(model).__name__}: " + "; ".join(problems))
-    with torch.no_grad():
-        for rule in rules:
-            _fill(params[rule.native], rule, tensors)
+    return rules, tensors
 
 
 def open_tensors(folder: str | os.PathLike[str]) -> SafetensorsFolder | Mxfp4Folder:
@@ -207,7 +235,19 @@ def save_hf(
                 tensors[key] = source.read(key)
     write_safetensors(folder, tensors, max_shard_bytes)
     dtype = next(model.parameters()).dtype
-    config = {**adapter.args_to_hf(model.args), **(extra_config or {})}
+    write_hf_config(folder, model, dtype, extra_config, generation_config)
+
+
+def write_hf_config(
+    folder: Path,
+    model: nn.Module,
+    dtype: torch.dtype,
+    extra_config: dict[str, Any] | None = None,
+    generation_config: dict[str, Any] | None = None,
+) -> None:
+    """config.json and generation_config.json of `model` (meta will do) as `save_hf` writes
+    them, for weights of `dtype`."""
+    config = {**adapter_of(model).args_to_hf(model.args), **(extra_config or {})}
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {
@@ -220,12 +260,12 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every tensor of the model's HF checkpoint, gathering one
     native parameter at a time (a collective on every rank when sharded), LoRA adapters merged
     into their base weights: what an inference server loads, without a whole copy in memory."""
-    tensors = _named_tensors(model)
+    tensors = named_tensors(model)
     yielded: set[str] = set()
     adapters = {
         f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LoRALinear)
     }
-    for rule in _rules_of(model):
+    for rule in hf_rules(model):
         value = full_tensor(tensors[rule.native].detach())
         if rule.native in adapters:
             value = merged_weight(value, adapters[rule.native])
@@ -254,12 +294,13 @@ def adapter_of(model: nn.Module) -> HFAdapter:
     return adapter
 
 
-def _rules_of(model: nn.Module) -> list[KeyRule]:
+def hf_rules(model: nn.Module) -> list[KeyRule]:
+    """The rules of every HF tensor of `model`: its parameters', then its buffers'."""
     adapter = adapter_of(model)
     return adapter.key_rules(model.args) + adapter.buffer_rules(model.args)
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters (tied ones under every name) and buffers, by native name."""
     return {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
 

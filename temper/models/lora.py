@@ -181,7 +181,14 @@ def merged_weight(weight: torch.Tensor, module: LoRALinear) -> torch.Tensor:
     """``W + scale * B A`` (computed in fp32) from the full base ``weight`` and ``module``'s
     adapters, gathered here when sharded."""
     a, b = (full_tensor(p.detach()) for p in (module.lora_a, module.lora_b))
-    return (weight.float() + module.scale * (b.float() @ a.float())).to(weight.dtype)
+    return merge_adapters(weight, a, b, module.scale)
+
+
+def merge_adapters(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``W + scale * B A``, computed in fp32, in ``W``'s dtype."""
+    return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -68,21 +68,43 @@ def write_safetensors(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> list[Path]:
     """Write `tensors` as one file, or as shards with an index when they exceed the limit."""
+    return write_safetensors_streaming(folder, tensors, iter(tensors.items()), max_shard_bytes)
+
+
+def write_safetensors_streaming(
+    folder: str | os.PathLike[str],
+    planned: Mapping[str, torch.Tensor],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> list[Path]:
+    """`write_safetensors` of tensors that arrive one at a time: `planned` (names, shapes and
+    dtypes, in order; meta tensors will do) fixes the shards, and each shard is written and
+    dropped as soon as `tensors` has yielded all of its own, so at most one shard (and what
+    the iterator holds) is in memory. The files are those `write_safetensors` writes."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    shards = _split_into_shards(tensors, max_shard_bytes)
+    shards = [list(shard) for shard in _split_into_shards(planned, max_shard_bytes)]
     if len(shards) == 1:
         names = [SINGLE_FILE]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards, strict=True):
-        tensors_on_cpu = {k: v.detach().to("cpu").contiguous() for k, v in shard.items()}
-        save_file(tensors_on_cpu, folder / name, metadata={"format": "pt"})
+    arrived: dict[str, torch.Tensor] = {}
+    for name, keys in zip(names, shards, strict=True):
+        for key, tensor in tensors:
+            arrived[key] = tensor
+            if all(k in arrived for k in keys):
+                break
+        missing = [k for k in keys if k not in arrived]
+        if missing:
+            raise ValueError(f"{folder / name}: tensors never produced: {describe(missing)}")
+        shard = {k: arrived.pop(k).detach().to("cpu").contiguous() for k in keys}
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        del shard
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+            "metadata": {"total_size": sum(_nbytes(t) for t in planned.values())},
             "weight_map": {
-                key: name for name, shard in zip(names, shards, strict=True) for key in shard
+                key: name for name, keys in zip(names, shards, strict=True) for key in keys
             },
         }
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

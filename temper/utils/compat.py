@@ -25,12 +25,21 @@ from torch._ops import OpOverload
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 from torch.distributed._functional_collectives import all_to_all_single as functional_all_to_all
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+# What a DCP ``.metadata`` pickle holds besides the public dataclasses of
+# torch.distributed.checkpoint.metadata: the file reader's per-item record (file, offset,
+# length), a tensor's memory-format code and torch's layout lookup (how a layout pickles).
+# The restricted unpickler of temper.checkpoint.reader admits exactly these. Checked: 2.13;
+# the same names and modules are in DCP's source since 2.4, so in 2.11 too.
+from torch.distributed.checkpoint.filesystem import _StorageInfo as dcp_storage_info
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as dcp_memory_format
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 # A DTensor shard's offset in the global tensor (reading only a shard's rows of an HF
 # checkpoint). Checked: 2.11, 2.13. No public equivalent.
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.serialization import _get_layout as layout_by_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
 grouped_mm = torch._grouped_mm
@@ -90,6 +99,8 @@ __all__ = [
     "all_to_all_single_autograd",
     "compute_local_shape_and_global_offset",
     "flatten_mesh",
+    "dcp_memory_format",
+    "dcp_storage_info",
     "foreach_mul_",
     "functional_all_reduce",
     "functional_all_to_all",
@@ -97,6 +108,7 @@ __all__ = [
     "flex_attention_op",
     "fsdp_reshard_states",
     "grouped_mm",
+    "layout_by_name",
     "restore_fsdp_reshard_states",
     "varlen_attention_op",
 ]
