@@ -14,6 +14,7 @@ with `--checkpoint.initial_load`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -47,7 +48,12 @@ from temper.checkpoint.tokenizer_files import (
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.models import load_hf, materialize
-from temper.models.hf import build_hf_model, hf_weight_readers, write_hf_config
+from temper.models.hf import (
+    build_hf_model,
+    carried_tensors,
+    hf_weight_readers,
+    write_hf_config,
+)
 from temper.models.lora import merge_lora
 from temper.models.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_streaming
 
@@ -139,14 +145,18 @@ def dcp_to_hf(
     stops = sorted(stop_token_ids(tokenizer, template)) if template is not None else turn_end
     plan = hf_tensor_plan(model, cast)
     tensors = streamed_hf_tensors(checkpoint, model, cast)
-    write_safetensors_streaming(output, plan, tensors, max_shard_bytes)
+    start = _existing(metadata.get("hf_path"))
+    carried = carried_tensors(model, start) if start is not None else {}
+    plan |= {key: torch.empty_like(t, device="meta") for key, t in carried.items()}
+    write_safetensors_streaming(
+        output, plan, itertools.chain(tensors, carried.items()), max_shard_bytes
+    )
     write_hf_config(
         output,
         model,
         cast or next(model.parameters()).dtype,
         extra_config={"eos_token_id": turn_end, "pad_token_id": pad},
         generation_config={"eos_token_id": stops},
-        carry_from=_existing(metadata.get("hf_path")),
     )
     config = json.loads(files["tokenizer_config.json"])
     config["eos_token"] = tokenizer.decode([turn_end])

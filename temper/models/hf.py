@@ -224,18 +224,24 @@ def save_hf(
     (``HFAdapter.carried_prefixes``), copied as they are. A sharded model must be gathered
     first (`full_tensor`); this writes what the process holds.
     """
-    adapter = adapter_of(model)
     folder = Path(path)
     tensors = dict(hf_named_tensors(model))
-    if carry_from is not None and adapter.carried_prefixes:
-        source = open_tensors(carry_from)
-        names = source.keys()
-        for key in names:
-            if key.startswith(adapter.carried_prefixes) and key not in tensors:
-                tensors[key] = source.read(key)
+    if carry_from is not None:
+        tensors |= carried_tensors(model, carry_from)
     write_safetensors(folder, tensors, max_shard_bytes)
     dtype = next(model.parameters()).dtype
     write_hf_config(folder, model, dtype, extra_config, generation_config)
+
+
+def carried_tensors(model: nn.Module, folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The tensors of the HF `folder` that `model`'s family carries through an export without
+    modelling them (``HFAdapter.carried_prefixes``: a few layers, read whole), as stored."""
+    prefixes = adapter_of(model).carried_prefixes
+    if not prefixes:
+        return {}
+    source = open_tensors(folder)
+    names = source.keys()
+    return {key: source.read(key) for key in names if key.startswith(prefixes)}
 
 
 def write_hf_config(
