@@ -45,6 +45,21 @@ flex_attention_op = torch.ops.higher_order.flex_attention
 2.11, 2.13."""
 
 
+def record_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop and discard) recording the CUDA allocator's history of allocations and
+    frees with their stacks (the latest ``max_entries``), what a memory snapshot shows.
+    ``torch.cuda.memory`` offers it only under private names. Checked: 2.11, 2.13."""
+    torch.cuda.memory._record_memory_history(
+        enabled="all" if enabled else None, max_entries=max_entries
+    )
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the recorded history as the pickle that pytorch.org/memory_viz opens. Checked:
+    2.11, 2.13."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
 def _optional_op(namespace: str, name: str) -> Any:
     """An op's default overload, or None where this torch build does not register it."""
     try:
@@ -80,6 +95,7 @@ __all__ = [
     "TorchDispatchMode",
     "all_to_all_single_autograd",
     "compute_local_shape_and_global_offset",
+    "dump_memory_snapshot",
     "foreach_mul_",
     "functional_all_reduce",
     "functional_all_to_all",
@@ -87,6 +103,7 @@ __all__ = [
     "flex_attention_op",
     "fsdp_reshard_states",
     "grouped_mm",
+    "record_memory_history",
     "restore_fsdp_reshard_states",
     "varlen_attention_op",
 ]

@@ -37,6 +37,9 @@ class RoutingStats:
     prob_sum: torch.Tensor
     """[n_experts] fp32 router probabilities summed over tokens (carries the gradient)."""
     n_tokens: int
+    entropy_sum: torch.Tensor | None = None
+    """[] fp32 entropy (nats) of each token's router probabilities, summed (no gradient):
+    what an observer of the routing reads (temper.trainer.moe_load)."""
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,9 @@ class MoE(nn.Module):
         rows, order, counts = permute(tokens, experts, self.n_experts)
         out = self.dispatcher(self.experts, rows, counts)
         if valid_len is None:
-            self.routing = RoutingStats(counts, probs.sum(dim=0), tokens.shape[0])
+            self.routing = RoutingStats(
+                counts, probs.sum(dim=0), tokens.shape[0], _entropy_sum(probs)
+            )
         else:
             self.routing = _real_token_routing(x.shape[:2], valid_len, probs, experts)
         out = unpermute(out, order, weights).view_as(x)
@@ -291,7 +296,14 @@ def _real_token_routing(
     real_probs = probs.view(b, s, -1)[:, :valid_len]
     real_experts = experts.view(b, s, -1)[:, :valid_len]
     counts = tokens_per_expert(real_experts, probs.shape[-1])
-    return RoutingStats(counts, real_probs.sum(dim=(0, 1)), b * real_probs.shape[1])
+    n_tokens = b * real_probs.shape[1]
+    return RoutingStats(counts, real_probs.sum(dim=(0, 1)), n_tokens, _entropy_sum(real_probs))
+
+
+@torch.no_grad()
+def _entropy_sum(probs: torch.Tensor) -> torch.Tensor:
+    """Sum over tokens of ``-sum_e p_e log p_e``; a zero probability adds nothing."""
+    return -torch.special.xlogy(probs, probs).sum()
 
 
 def load_balancing_loss(stats: list[RoutingStats]) -> torch.Tensor:
