@@ -25,6 +25,7 @@ from temper.config.config import (
     objective_config_type,
     register_objective_config,
     register_rule,
+    registered_rules,
 )
 from temper.config.loading import load_config, save_config
 
@@ -53,6 +54,7 @@ __all__ = [
     "objective_config_type",
     "register_objective_config",
     "register_rule",
+    "registered_rules",
     "load_config",
     "save_config",
 ]

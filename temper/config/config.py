@@ -233,6 +233,11 @@ def register_rule(rule: Callable[[Config, int], None]) -> Callable[[Config, int]
     return rule
 
 
+def registered_rules() -> list[Callable[[Config, int], None]]:
+    """The rules ``register_rule`` added, in order (a dry run reports each one's error)."""
+    return list(_RULES)
+
+
 DEFAULT_LORA_TARGETS = ("layers.*.attention.w*", "layers.*.feed_forward.w*")
 """Every attention and dense-MLP projection. A family may lack one kind (every MLP an MoE,
 whose experts are stacked weights, not linear layers): these two may then match nothing,

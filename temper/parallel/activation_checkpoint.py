@@ -27,7 +27,7 @@ from temper.kernels.attention import ATTENTION_OPS
 CheckpointMode = Literal["none", "full", "selective"]
 
 _aten = torch.ops.aten
-_SAVED_OPS = {
+SAVED_OPS = {
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,
@@ -57,7 +57,7 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) ->
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _keep_matmul_outputs() -> tuple[Any, Any]:

@@ -1,0 +1,104 @@
+"""The dry run's peak-memory estimate against the peak a real run measures, on CPU (gloo).
+
+    python -m bench.plan_memory                      # dense and MoE debug recipes, world 1, 2, 4
+    python -m bench.plan_memory --cases llama3_debug:1,qwen3_moe_debug:2 --seq-len 256
+
+For each case, that many gloo ranks (fresh processes, one thread each) train the recipe for
+two steps; each rank's measured peak is its resident set's high-water mark during the
+second step (the first creates the optimizer state) minus its resident set before the
+Engine was built: the memory the run's tensors add to the process. glibc is told to map
+every allocation over 64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so freed tensors leave
+the resident set instead of lingering in the heap. ``temper.plan`` plans the same config
+for the same world on ``cpu`` in this process. The table shows rank 0 and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.train_step import _peak_rss_gib, _reset_peak, _rss_gib
+
+MODULES = {"llama3": "temper.recipes.llama3", "qwen3": "temper.recipes.qwen3"}
+
+
+def _argv(folder: str, seq_len: int, batch: int, extra: list[str]) -> list[str]:
+    return [
+        "--job.dump_folder",
+        folder,
+        "--metrics.no_tensorboard",
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        str(seq_len),
+        "--training.local_batch_size",
+        str(batch),
+        "--profiling.no_phase_times",
+        *extra,
+    ]
+
+
+def _module(recipe: str) -> str:
+    return MODULES[recipe.split("_")[0]]
+
+
+def _measure(recipe: str, folder: str, argv: list[str]) -> float:
+    from temper.config import load_config
+    from temper.trainer.trainer import Trainer
+
+    before = _rss_gib()
+    trainer = Trainer(load_config(_module(recipe), recipe, argv))
+    batches = iter(trainer.loader)
+    trainer.train_step([next(batches)])
+    _reset_peak(trainer.engine.device)
+    trainer.train_step([next(batches)])
+    return _peak_rss_gib() - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cases",
+        default="llama3_debug:1,llama3_debug:2,llama3_debug:4,"
+        "qwen3_moe_debug:1,qwen3_moe_debug:2,qwen3_moe_debug:4",
+    )
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--extra", default="", help="more overrides for every case, one string")
+    args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+    from harness import run_on_ranks
+
+    import temper.engine  # noqa: F401
+    from temper.config import load_config
+    from temper.plan import plan_run
+
+    extra = args.extra.split()
+    print(f"{args.batch} x {args.seq_len} tokens per rank, fp32 CPU, torch {torch.__version__}\n")
+    print("| recipe | world | estimated peak (GiB) | measured peak (GiB) | estimate / measured |")
+    print("| --- | ---: | ---: | ---: | ---: |", flush=True)
+    for case in args.cases.split(","):
+        recipe, world = case.split(":")
+        with tempfile.TemporaryDirectory() as folder:
+            argv = _argv(folder, args.seq_len, args.batch, extra)
+            config = load_config(_module(recipe), recipe, argv, validate=False)
+            plan = plan_run(config, int(world), "cpu")
+            if plan.errors:
+                raise SystemExit(f"{case}: {plan.errors}")
+            estimate = plan.ranks[0].peak / 2**30
+            peaks = run_on_ranks(_measure, int(world), recipe, folder, argv, timeout=3600.0)
+        measured = peaks[0]
+        print(
+            f"| {recipe} | {world} | {estimate:.3f} | {measured:.3f} | {estimate / measured:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
