@@ -105,7 +105,8 @@ class _FlashAttentionShapes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        b, h, s, _ = q.shape  # the output in the kernels' [b, s, h, d] memory layout
+        out = q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
