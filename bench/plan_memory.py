@@ -10,6 +10,9 @@ Engine was built: the memory the run's tensors add to the process. glibc is told
 every allocation over 64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so freed tensors leave
 the resident set instead of lingering in the heap. ``temper.plan`` plans the same config
 for the same world on ``cpu`` in this process. The table shows rank 0 and the ratio.
+
+``--device cuda`` (world 1 cases, in this process, bf16): the allocator's peak during the
+second step minus what it held before the Engine was built, against the plan on ``cuda``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,23 @@ def _measure(recipe: str, folder: str, argv: list[str]) -> float:
     return _peak_rss_gib() - before
 
 
+def _measure_cuda(recipe: str, argv: list[str]) -> float:
+    from temper.config import load_config
+    from temper.trainer.trainer import Trainer
+
+    device = torch.device("cuda")
+    before = torch.cuda.memory_allocated(device)
+    trainer = Trainer(load_config(_module(recipe), recipe, argv))
+    batches = iter(trainer.loader)
+    trainer.train_step([next(batches)])
+    torch.cuda.reset_peak_memory_stats(device)
+    trainer.train_step([next(batches)])
+    peak = (torch.cuda.max_memory_allocated(device) - before) / 2**30
+    del trainer
+    torch.cuda.empty_cache()
+    return peak
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -70,6 +90,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--extra", default="", help="more overrides for every case, one string")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
@@ -80,7 +101,8 @@ def main() -> None:
     from temper.plan import plan_run
 
     extra = args.extra.split()
-    print(f"{args.batch} x {args.seq_len} tokens per rank, fp32 CPU, torch {torch.__version__}\n")
+    where = "fp32 CPU" if args.device == "cpu" else f"bf16 {torch.cuda.get_device_name()}"
+    print(f"{args.batch} x {args.seq_len} tokens per rank, {where}, torch {torch.__version__}\n")
     print("| recipe | world | estimated peak (GiB) | measured peak (GiB) | estimate / measured |")
     print("| --- | ---: | ---: | ---: | ---: |", flush=True)
     for case in args.cases.split(","):
@@ -88,12 +110,16 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             argv = _argv(folder, args.seq_len, args.batch, extra)
             config = load_config(_module(recipe), recipe, argv, validate=False)
-            plan = plan_run(config, int(world), "cpu")
+            plan = plan_run(config, int(world), args.device)
             if plan.errors:
                 raise SystemExit(f"{case}: {plan.errors}")
             estimate = plan.ranks[0].peak / 2**30
-            peaks = run_on_ranks(_measure, int(world), recipe, folder, argv, timeout=3600.0)
-        measured = peaks[0]
+            if args.device == "cuda":
+                measured = _measure_cuda(recipe, argv)
+            else:
+                measured = run_on_ranks(_measure, int(world), recipe, folder, argv, timeout=3600.0)[
+                    0
+                ]
         print(
             f"| {recipe} | {world} | {estimate:.3f} | {measured:.3f} | {estimate / measured:.2f} |",
             flush=True,

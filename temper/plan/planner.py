@@ -38,8 +38,9 @@ class RankMemory:
     """Held at the start of backward: the micro-batch's saved activations (checkpointing
     applied) with one block's recomputation under full or selective."""
     gathered: int
-    """Unsharded weights and gradients in flight (FSDP all-gathers, prefetch, reduce-scatter
-    inputs, units kept gathered between forward and backward)."""
+    """Weights in compute dtype beside the masters: FSDP's unsharded weights and gradients in
+    flight (all-gathers, prefetch, reduce-scatter inputs, units kept gathered between forward
+    and backward); unsharded in bf16, autocast's copies."""
     peak: int
     """The larger of the backward peak (state, activations, gathered, gradients so far) and
     the optimizer step's (state, gradients, its temporaries)."""
@@ -109,9 +110,14 @@ def plan_run(config: Config, world_size: int, device: str = "cuda") -> Plan:
     plan.activations = measure_activations(config, unsharded, CausalLM(), plan.tokens)
     block_grads = _block_param_bytes(unsharded, dims.fsdp)
     shards = list(params.values())
+    compute = torch.empty((), dtype=dtype).element_size()
+    if dims.sharded:
+        gathered = _gathered_bytes(units, compute)
+    else:  # autocast's compute-dtype copy of each weight, kept for backward
+        gathered = 0 if dtype == torch.float32 else sum(p.numel for p in shards) * compute
     for rank in range(world_size):
         state = state_bytes(shards, coords[rank])
-        plan.ranks.append(_peak(config, state, plan.activations, units, dtype, device, block_grads))
+        plan.ranks.append(_peak(config, state, plan.activations, gathered, device, block_grads))
     moe_layers = sum(isinstance(m, MoE) for m in unsharded.modules())
     top_k = unsharded.args.top_k if moe_layers else 0
     plan.communication = communication(
@@ -153,13 +159,10 @@ def _peak(
     config: Config,
     state: StateBytes,
     acts: Activations,
-    units: list[Unit],
-    dtype: torch.dtype,
+    gathered: int,
     device: str,
     block_grads: list[int],
 ) -> RankMemory:
-    compute = torch.empty((), dtype=dtype).element_size()
-    gathered = _gathered_bytes(units, compute)
     mode = config.activation_checkpoint.mode
     held = acts.held(mode)
     # Backward from the last block down: its activations are freed as its gradients land.
