@@ -37,6 +37,9 @@ class BlockActivations:
     """Outputs of the ops selective checkpointing keeps (matmuls, attention, all-to-alls)."""
     input: int = 0
     """Its input hidden states: all that full checkpointing keeps."""
+    largest: int = 0
+    """Its largest saved tensor: its backward makes gradients that size (SwiGLU's gate and
+    up, say)."""
 
 
 @dataclass
@@ -145,6 +148,7 @@ class _Measure:
             self.activations.outside += n
         else:
             self.current.saved += n
+            self.current.largest = max(self.current.largest, n)
         return t
 
     @contextmanager

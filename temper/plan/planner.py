@@ -165,13 +165,16 @@ def _peak(
 ) -> RankMemory:
     mode = config.activation_checkpoint.mode
     held = acts.held(mode)
-    # Backward from the last block down: its activations are freed as its gradients land.
+    # Backward from the last block down: its activations are freed as its gradients land;
+    # while it runs, two gradients the size of its largest saved tensor are alive.
     live, grads, backward_peak = held, 0, held
     kept = _kept_per_block(acts, mode)
-    for block, grad in zip(reversed(kept), reversed(block_grads), strict=True):
+    for block, freed, grad in zip(
+        reversed(acts.blocks), reversed(kept), reversed(block_grads), strict=True
+    ):
         grads += grad
-        backward_peak = max(backward_peak, live + grads)
-        live -= block
+        backward_peak = max(backward_peak, live + grads + 2 * block.largest)
+        live -= freed
     backward = state.params + state.optimizer + gathered + backward_peak
     # The step holds every gradient (the embedding's and head's too); foreach AdamW (CPU)
     # adds a temporary the size of the gradients, fused AdamW (CUDA) none.
@@ -190,18 +193,18 @@ def _kept_per_block(acts: Activations, mode: str) -> list[int]:
 
 
 def _gathered_bytes(units: list[Unit], compute: int) -> int:
-    """Weights gathered at the worst moment: a unit being computed and the next prefetched,
-    its unsharded gradient (compute dtype, plus the fp32 copy reduce-scatter takes in mixed
-    precision), and every unit that stays gathered from its forward to its backward."""
+    """Weights gathered at the worst moment: every unit that stays gathered from its forward
+    to its backward, two of the others (one computing, the next prefetched), and the largest
+    unit's unsharded gradient (compute dtype, plus the fp32 copy the reduce-scatter takes in
+    mixed precision)."""
     sharded = [u for u in units if u.shard_degree > 1]
     if not sharded:
         return 0
-    sizes = sorted((u.gathered_numel() for u in sharded), reverse=True)
-    largest, second = sizes[0], sizes[1] if len(sizes) > 1 else 0
+    kept = sum(u.gathered_numel() for u in sharded if not u.reshard_after_forward)
+    moving = sorted((u.gathered_numel() for u in sharded if u.reshard_after_forward), reverse=True)
+    largest = max(u.gathered_numel() for u in sharded)
     grad_copy = 4 if compute != 4 else 0
-    in_flight = (largest + second) * compute + largest * (compute + grad_copy)
-    kept = sum(u.gathered_numel() * compute for u in sharded if not u.reshard_after_forward)
-    return in_flight + kept
+    return (kept + sum(moving[:2])) * compute + largest * (compute + grad_copy)
 
 
 def communication(
