@@ -180,3 +180,12 @@ def test_a_256_rank_plan_prints_per_rank_groups(capsys) -> None:
     spans = [line.split("|")[1].strip() for line in rows]
     covered = sum(int(s.split("-")[-1]) - int(s.split("-")[0]) + 1 for s in spans)
     assert covered == 256
+
+
+def test_train_dry_run_flag_plans_instead_of_training(tmp_path, capsys) -> None:
+    from temper.train import main as train
+
+    argv = ["--dry_run", "--world_size", "2", "--device", "cpu"]
+    assert train([*argv, "--job.dump_folder", str(tmp_path / "run")]) == 0
+    assert "world 2 on cpu" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()  # nothing trained, no run folder
