@@ -9,6 +9,7 @@ compute, fused AdamW) and shows the busiest rank; the last column is the plan's 
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import temper.engine  # noqa: F401  (registers the built-in rules)
@@ -33,6 +34,7 @@ FLAGS = {
     "ep": "--parallelism.ep",
     "ac": "--activation_checkpoint.mode",
     "seq": "--training.seq_len",
+    "gbs": "--training.global_batch_size",
 }
 
 LAYOUTS = [
@@ -44,7 +46,7 @@ LAYOUTS = [
     ("qwen3_235b_a22b", 64, "ep 16 ac full seq 4096"),
     ("qwen3_235b_a22b", 32, "ep 8 ac full"),
     ("qwen3_5_397b_a17b", 64, "ep 16 ac full"),
-    ("qwen3_5_397b_a17b", 128, "ep 32 ac full"),
+    ("qwen3_5_397b_a17b", 128, "ep 32 ac full gbs 128"),
     ("qwen3_5_397b_a17b", 64, "ep 16 ac selective"),
 ]
 """(model, GPUs, layout): the layout's words are ``name value`` pairs of FLAGS."""
@@ -57,6 +59,9 @@ def overrides_of(model: str, layout: str) -> list[str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(RECIPES), help="comma-separated")
+    models = parser.parse_args().models.split(",")
     print(
         "| model | GPUs | layout | params + grads + optimizer | activations | gathered "
         "| peak per GPU (GiB) | all-gather / reduce-scatter / all-to-all EP per step (GiB) "
@@ -64,6 +69,8 @@ def main() -> None:
     )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |", flush=True)
     for model, world, layout in LAYOUTS:
+        if model not in models:
+            continue
         start = time.perf_counter()
         module, recipe, _ = RECIPES[model]
         config = load_config(module, recipe, overrides_of(model, layout), validate=False)
