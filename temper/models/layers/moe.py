@@ -10,6 +10,8 @@ auxiliary-loss-free balancing bias (``GroupLimitedRouter``, with optional shared
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -271,12 +273,13 @@ class MoE(nn.Module):
         probs, weights, experts = self.router(tokens)
         rows, order, counts = permute(tokens, experts, self.n_experts)
         out = self.dispatcher(self.experts, rows, counts)
-        if valid_len is None:
-            self.routing = RoutingStats(
-                counts, probs.sum(dim=0), tokens.shape[0], _entropy_sum(probs)
-            )
-        else:
-            self.routing = _real_token_routing(x.shape[:2], valid_len, probs, experts)
+        if _recomputing == 0:
+            if valid_len is None:
+                self.routing = RoutingStats(
+                    counts, probs.sum(dim=0), tokens.shape[0], _entropy_sum(probs)
+                )
+            else:
+                self.routing = _real_token_routing(x.shape[:2], valid_len, probs, experts)
         out = unpermute(out, order, weights).view_as(x)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
@@ -284,6 +287,23 @@ class MoE(nn.Module):
                 shared = self.shared_gate(x).sigmoid() * shared
             out = out + shared
         return out
+
+
+_recomputing = 0
+
+
+@contextmanager
+def keep_first_routing() -> Iterator[None]:
+    """Inside, MoE layers keep the routing statistics of their first forward: an activation
+    checkpoint's recomputation runs in it. Replaced by the recomputation's, they would be
+    unused, and their probabilities (which carry a gradient) would hold the block's whole
+    recomputed graph alive until the next forward."""
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
 
 
 def _real_token_routing(
