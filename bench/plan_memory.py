@@ -175,13 +175,13 @@ def main() -> None:
                 raise SystemExit(f"{case}: {plan.errors}")
             estimate = plan.ranks[0].peak / 2**30
             if args.device == "cuda":
-                measured = _measure_cuda(recipe, argv)
+                measured = tensors = _measure_cuda(recipe, argv)
             else:
-                measured = run_on_ranks(_measure, int(world), recipe, folder, argv, timeout=3600.0)[
-                    0
-                ]
+                ranks = run_on_ranks(_measure, int(world), recipe, folder, argv, timeout=3600.0)
+                measured, tensors = ranks[0]
         print(
-            f"| {recipe} | {world} | {estimate:.3f} | {measured:.3f} | {estimate / measured:.2f} |",
+            f"| {recipe} | {world} | {estimate:.3f} | {measured:.3f} | {estimate / measured:.2f} "
+            f"| {tensors:.3f} | {estimate / tensors:.2f} |",
             flush=True,
         )
 

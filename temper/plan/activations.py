@@ -55,14 +55,17 @@ class Activations:
 
     def held(self, mode: str) -> int:
         """Bytes held at the start of backward under activation checkpointing ``mode``: with
-        full or selective, one block's recomputed activations join what is kept."""
+        full, one block's recomputed activations join the kept inputs; with selective, the
+        part of them it did not keep."""
         if not self.blocks:
             return self.outside
-        recompute = max(b.saved for b in self.blocks)
         if mode == "none":
             return self.outside + sum(b.saved for b in self.blocks)
         if mode == "full":
+            recompute = max(b.saved for b in self.blocks)
             return self.outside + sum(b.input for b in self.blocks) + recompute
+        # Selective recomputes only what it did not keep.
+        recompute = max(max(b.saved - b.kept, 0) for b in self.blocks)
         return self.outside + sum(b.input + b.kept for b in self.blocks) + recompute
 
 
