@@ -14,9 +14,12 @@ NNODES="${NNODES:-1}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 recipe=(-m temper.train --module "$MODULE" --config "$CONFIG")
 
-# Help, the recipe list and config errors are answered once, here, before any rank starts.
+# Help, the recipe list, a dry run and config errors are answered once, here, before any rank starts.
 for arg in "$@"; do
-  case "$arg" in -h | --help | --list) exec "$PYTHON" "${recipe[@]}" "$@" ;; esac
+  case "$arg" in
+    -h | --help | --list) exec "$PYTHON" "${recipe[@]}" "$@" ;;
+    --dry_run) WORLD_SIZE="$((NNODES * NGPU))" exec "$PYTHON" "${recipe[@]}" "$@" ;;
+  esac
 done
 WORLD_SIZE="$((NNODES * NGPU))" "$PYTHON" "${recipe[@]}" --check_only "$@" > /dev/null
 

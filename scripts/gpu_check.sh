@@ -27,6 +27,25 @@ triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/g
   | tee "$LOGS/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+# Observability (docs/observability.md): a traced step, an allocator snapshot and a MoE load
+# map from a short CUDA run, each file checked; then the dry run's peak estimate against the
+# allocator's measured peak (world 1, bf16).
+OBS="$LOGS/observe"
+rm -rf "$OBS"
+"$PY" -m temper.train --module temper.recipes.qwen3 --config qwen3_moe_debug \
+  --job.dump_folder "$OBS" --training.steps 3 --metrics.no_tensorboard \
+  --profiling.trace_steps 2 --profiling.memory_snapshot_steps 3 --profiling.moe_heatmap_freq 1 \
+  2>&1 | tee "$LOGS/observe.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+for f in "$OBS"/profile/step-2/rank0.*.pt.trace.json "$OBS/memory_snapshot/step-3/rank0.pickle" \
+  "$OBS/moe/step-3.png"; do
+  if [ -s "$f" ]; then echo "ok: $f"; else echo "MISSING: $f"; status=1; fi
+done > >(tee -a "$LOGS/observe.txt")
+grep -q '"time_forward_ms"' "$OBS/metrics.jsonl" || { echo "no phase times"; status=1; }
+"$PY" -m bench.plan_memory --device cuda --cases llama3_debug:1,qwen3_moe_debug:1 2>&1 \
+  | tee "$LOGS/plan_memory.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 if [ "${BENCH:-1}" != 0 ]; then
   # Each op's reference, compiled and Triton forms at Llama 3 8B shapes.
   "$PY" -m bench.kernels --device cuda 2>&1 | tee "$LOGS/kernels.txt"

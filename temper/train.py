@@ -81,13 +81,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--list", action="store_true", help="list the built-in recipes and model families"
     )
     parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="plan the run for WORLD_SIZE ranks (run_train.sh: NNODES x NGPU; or --world_size N) "
+        "in this one process: per-rank memory, communication and every config error; then exit "
+        "(python -m temper.plan)",
+    )
+    parser.add_argument(
         "--check_only",
         action="store_true",
         help="validate the config and every input a run reads (data, tokenizer, chat "
         "template, LoRA targets, checkpoint, run folder), print the config, and exit "
         "(run_train.sh's pre-flight)",
     )
-    known, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    known, overrides = parser.parse_known_args(args)
+    if known.dry_run:
+        from temper.plan import main as plan
+
+        return plan(args)
     if known.list:
         print(catalog())
         return 0

@@ -17,6 +17,7 @@ from temper.config.config import (
     ObjectiveConfig,
     Optimizer,
     Parallelism,
+    Profiling,
     Training,
     check_positive,
     check_range,
@@ -24,6 +25,7 @@ from temper.config.config import (
     objective_config_type,
     register_objective_config,
     register_rule,
+    registered_rules,
 )
 from temper.config.loading import load_config, save_config
 
@@ -44,6 +46,7 @@ __all__ = [
     "ObjectiveConfig",
     "Optimizer",
     "Parallelism",
+    "Profiling",
     "Training",
     "check_positive",
     "check_range",
@@ -51,6 +54,7 @@ __all__ = [
     "objective_config_type",
     "register_objective_config",
     "register_rule",
+    "registered_rules",
     "load_config",
     "save_config",
 ]

@@ -243,6 +243,11 @@ def register_rule(rule: Callable[[Config, int], None]) -> Callable[[Config, int]
     return rule
 
 
+def registered_rules() -> list[Callable[[Config, int], None]]:
+    """The rules ``register_rule`` added, in order (a dry run reports each one's error)."""
+    return list(_RULES)
+
+
 DEFAULT_LORA_TARGETS = ("layers.*.attention.w*", "layers.*.feed_forward.w*")
 """Every attention and dense-MLP projection. A family may lack one kind (every MLP an MoE,
 whose experts are stacked weights, not linear layers): these two may then match nothing,
@@ -275,6 +280,30 @@ class Metrics:
     """Log every N steps (console, TensorBoard, metrics.jsonl)."""
     tensorboard: bool = True
     """Write TensorBoard events to <dump_folder>/tb."""
+
+
+@dataclass
+class Profiling:
+    """What a run shows of its own steps (``--profiling.*``); see docs/observability.md."""
+
+    phase_times: bool = True
+    """Log each phase's wall-clock time per step (time_<phase>_ms: data, rollout, forward,
+    backward, optimizer, checkpoint) and its peak memory (mem_<phase>_gib) every log step."""
+    trace_steps: list[int] = field(default_factory=list)
+    """Steps to trace with torch.profiler: one Chrome trace per rank under
+    <dump_folder>/profile/step-<N>/ (the layout of TensorBoard's profiler plugin)."""
+    record_shapes: bool = False
+    """Traces record each op's input shapes."""
+    profile_memory: bool = False
+    """Traces record tensor allocations and frees."""
+    with_stack: bool = False
+    """Traces record Python stacks (large files)."""
+    memory_snapshot_steps: list[int] = field(default_factory=list)
+    """CUDA: record the allocator's history over these steps and write
+    <dump_folder>/memory_snapshot/step-<N>/rank<R>.pickle (for pytorch.org/memory_viz)."""
+    moe_heatmap_freq: int = 0
+    """MoE models: every N steps (a multiple of metrics.log_freq) a layer x expert load map
+    to TensorBoard (moe/load) and <dump_folder>/moe/step-<N>.png; 0 = off."""
 
 
 @dataclass
@@ -391,6 +420,7 @@ class Config:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     kernels: Kernels = field(default_factory=Kernels)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError naming the first field that breaks a rule: this section's own
@@ -413,6 +443,7 @@ class Config:
             if get_field(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {get_field(self, name)}")
         _check_checkpoint(self.checkpoint)
+        _check_profiling(self)
         check_positive(self, "lora.rank", "lora.alpha", "data.builtin_examples")
         check_range(self, "lora.dropout", 0.0, 1.0, right_open=True)
         _check_objective(self)
@@ -474,6 +505,21 @@ def _check_checkpoint(checkpoint: Checkpoint) -> None:
         raise ConfigError(
             f"checkpoint.initial_load {checkpoint.initial_load!r} is not a temper checkpoint "
             "folder (no temper.json)"
+        )
+
+
+def _check_profiling(config: Config) -> None:
+    profiling = config.profiling
+    for name in ("trace_steps", "memory_snapshot_steps"):
+        if any(step < 1 for step in getattr(profiling, name)):
+            raise ConfigError(
+                f"profiling.{name} holds step numbers >= 1, got {getattr(profiling, name)}"
+            )
+    freq, log_freq = profiling.moe_heatmap_freq, config.metrics.log_freq
+    if freq < 0 or freq % log_freq:
+        raise ConfigError(
+            f"profiling.moe_heatmap_freq ({freq}) must be 0 or a multiple of metrics.log_freq "
+            f"({log_freq}): a map shows the steps logged since the last one"
         )
 
 

@@ -25,8 +25,11 @@ from temper.config.config import (
 OBJECTIVE_FLAG = "--objective.name"
 
 
-def load_config(module: str, function: str, argv: Sequence[str] = ()) -> Config:
-    """Build the run's Config: `module.function()` with `argv` overrides, validated.
+def load_config(
+    module: str, function: str, argv: Sequence[str] = (), *, validate: bool = True
+) -> Config:
+    """Build the run's Config: `module.function()` with `argv` overrides, validated (unless
+    ``validate`` is False: a dry run lists every error itself).
 
     The recipe's result is the default of every flag, so `--help` shows the recipe's
     values. Sections that a recipe replaced by a subclass (a `Training` with an extra
@@ -50,7 +53,8 @@ def load_config(module: str, function: str, argv: Sequence[str] = ()) -> Config:
         use_underscores=True,
     )
     config = type(config)(**_sections(parsed))
-    config.validate()
+    if validate:
+        config.validate()
     return config
 
 

@@ -186,7 +186,8 @@ def resolve_backend(
     if backend not in BACKENDS:
         raise AttentionBackendError(f"unknown attention backend {backend!r}; choose {BACKENDS}")
     device = x.device
-    autocast = torch.is_autocast_enabled(device.type)
+    # Meta (the planner's shape-only forward) has no autocast.
+    autocast = device.type != "meta" and torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if autocast else x.dtype
     backward = torch.is_grad_enabled() and x.requires_grad
     if backend == "auto":

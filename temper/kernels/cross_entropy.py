@@ -120,7 +120,8 @@ def _autocast_operands(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both cast to the autocast dtype when autocast is on, so the chunks' matmuls, in forward
     and in a backward that runs outside autocast, use one precision."""
-    if torch.is_autocast_enabled(hidden.device.type):
+    # Meta (the planner's shape-only forward) has no autocast.
+    if hidden.device.type != "meta" and torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
         return hidden.to(dtype), weight.to(dtype)
     return hidden, weight

@@ -25,6 +25,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     operands are cast to the autocast dtype when autocast is on, since ``torch._grouped_mm`` is
     not on autocast's lists.
     """
+    if x.device.type == "meta":  # the planner's shape-only forward: no autocast, no offsets
+        return grouped_mm_shapes(x, w)
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
     else:
@@ -45,6 +47,12 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
     sizes = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
     rows = x[: ends[-1]].split(sizes)
     return torch.cat([r @ wg for r, wg in zip(rows, w.unbind(0), strict=True)])
+
+
+def grouped_mm_shapes(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """On meta: a matmul with the grouped GEMM's output shape that, like it, saves ``x`` (and a
+    weight) for backward; the group sizes, which only real data has, change neither."""
+    return x @ w[0]
 
 
 def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ place, so parameter names, and thus checkpoints and HF loading, do not change.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -23,11 +24,12 @@ from torch.utils.checkpoint import (
 )
 
 from temper.kernels.attention import ATTENTION_OPS
+from temper.models.layers.moe import keep_first_routing
 
 CheckpointMode = Literal["none", "full", "selective"]
 
 _aten = torch.ops.aten
-_SAVED_OPS = {
+SAVED_OPS = {
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,
@@ -40,10 +42,11 @@ _SAVED_OPS = {
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: CheckpointMode) -> None:
-    """Checkpoint every block in `mode`; `none` leaves them untouched."""
+    """Checkpoint every block in `mode`; `none` leaves them untouched. The recomputation
+    leaves the MoE layers' routing statistics as the forward made them."""
     if mode == "none":
         return
-    context_fn = _keep_matmul_outputs if mode == "selective" else noop_context_fn
+    context_fn = _keep_matmul_outputs if mode == "selective" else _full
     for block in blocks:
         block.forward = _checkpointed(block.forward, context_fn)
 
@@ -57,8 +60,20 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) ->
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _keep_matmul_outputs() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_save_matmuls)
+    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls)
+    return forward, _recomputation(recompute)
+
+
+def _full() -> tuple[Any, Any]:
+    forward, recompute = noop_context_fn()
+    return forward, _recomputation(recompute)
+
+
+@contextlib.contextmanager
+def _recomputation(context: Any) -> Iterator[None]:
+    with context, keep_first_routing():
+        yield

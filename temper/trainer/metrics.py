@@ -53,6 +53,11 @@ class MetricsLogger:
                 self._tb.add_scalar(name, value, step)
         print(format_line(record, self.total_steps), file=sys.stdout, flush=True)
 
+    def log_image(self, name: str, image: Any, step: int) -> None:
+        """An RGB image [height, width, 3] (uint8) to TensorBoard, when it is on."""
+        if self._tb is not None:
+            self._tb.add_image(name, image, step, dataformats="HWC")
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
@@ -95,7 +100,8 @@ def format_line(record: dict[str, Any], total_steps: int | None = None) -> str:
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this process: allocator peak on CUDA, max resident set on CPU."""
+    """Peak memory of this process since the start (or the last
+    ``temper.trainer.phases.reset_peak``): allocator peak on CUDA, max resident set on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     # ru_maxrss is in KiB on Linux.

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from temper.checkpoint.convert import dcp_to_hf
@@ -31,6 +32,9 @@ from temper.trainer.console import (
     summary_line,
 )
 from temper.trainer.metrics import MetricsLogger, RolloutClock, Throughput, peak_memory_gib
+from temper.trainer.moe_load import MoELoad, write_load
+from temper.trainer.phases import PhaseTimer
+from temper.trainer.profiling import StepProfiler
 from temper.trainer.state import TrainState
 from temper.utils.device import Runtime, init_runtime
 from temper.utils.peak_flops import peak_flops
@@ -69,6 +73,11 @@ class Trainer:
             total_steps=config.training.steps,
         )
         self.rollout_clock = RolloutClock(engine.device)
+        self.phases = PhaseTimer(engine.device, enabled=config.profiling.phase_times)
+        self.profiler = StepProfiler(
+            config.profiling, config.job.dump_folder, runtime.rank, engine.device
+        )
+        self.moe_load = MoELoad(engine.model)
 
     def _train_state(self) -> TrainState:
         objective, config, device = self.objective, self.config, self.engine.device
@@ -110,10 +119,12 @@ class Trainer:
         try:
             with StopRequest() as stop:
                 while state.step < config.training.steps:
-                    micro_batches, rollout_metrics = self._next_batches(batches)
-                    metrics = self.train_step(micro_batches) | rollout_metrics
-                    last = state.step == config.training.steps
-                    self._save_and_log(metrics, last)
+                    with self.profiler.step(state.step + 1):
+                        with self.phases("data"):
+                            micro_batches, rollout_metrics = self._next_batches(batches)
+                        metrics = self.train_step(micro_batches) | rollout_metrics
+                        last = state.step == config.training.steps
+                        self._save_and_log(metrics, last)
                     if not last and stop.agreed(engine.device):
                         engine.checkpointer.wait()
                         self._say(stopped_line(state.step, root, saving, stop.cause))
@@ -131,9 +142,11 @@ class Trainer:
             metadata = {"tokens_seen": state.tokens_seen}
             export = self.config.checkpoint.hf_export
             export = export == "every" or (export == "final" and last)
-            self.engine.save(state.step, state, metadata=metadata, wait=last or export)
-            if export and self.engine.runtime.is_main:
-                self._say(f"temper: exported {export_hf(self.config, state.step)}")
+            with self.phases("checkpoint"):
+                self.engine.save(state.step, state, metadata=metadata, wait=last or export)
+                if export and self.engine.runtime.is_main:
+                    self._say(f"temper: exported {export_hf(self.config, state.step)}")
+        self.phases.step_done()
         if state.step % self.config.metrics.log_freq == 0 or last or "skipped" in metrics:
             self._log(metrics)
 
@@ -156,9 +169,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=engine.device)
         parts = []
         for batch in micro_batches:
-            with engine.autocast():
+            with self.phases("forward"), engine.autocast():
                 micro_loss, _, micro_metrics = self.objective.loss(engine.model, batch)
-            (micro_loss / global_count).backward()
+            self.moe_load.add()
+            with self.phases("backward"):
+                (micro_loss / global_count).backward()
             loss_sum += micro_loss.detach().float()
             parts.append(micro_metrics)
         # The objective's metrics of the whole step: every micro-batch on every rank.
@@ -167,7 +182,8 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += int(global_count)
         try:
-            metrics |= engine.step(loss)
+            with self.phases("optimizer"):
+                metrics |= engine.step(loss)
         except NonFiniteError as error:
             metrics |= self._skip_nonfinite(error)
         # Every sequence the model ran: a DPO pair's chosen and rejected rows both count.
@@ -221,8 +237,24 @@ class Trainer:
         values.update(self.throughput.measure(state.step, self.start_step + 1))
         if isinstance(self.objective, RolloutObjective):
             values.update(self.rollout_clock.measure())
-        values["memory_gib"] = peak_memory_gib(self.engine.device)
+        values.update(self.phases.summary())
+        values["memory_gib"] = max(peak_memory_gib(self.engine.device), self.phases.run_peak_gib)
+        if self.moe_load:
+            moe, counts = self.moe_load.summary()
+            values.update(moe)
+            freq = self.config.profiling.moe_heatmap_freq
+            if freq and state.step % freq == 0 and counts is not None:
+                self._draw_load(counts)
         self.metrics.log(state.step, values)
+
+    def _draw_load(self, counts: np.ndarray) -> None:
+        """The layer x expert map of the tokens routed since the last log step: TensorBoard's
+        ``moe/load`` image and ``<dump_folder>/moe/step-<N>.png`` (rank 0)."""
+        if not self.engine.runtime.is_main:
+            return
+        step, folder = self.state.step, Path(self.config.job.dump_folder) / "moe"
+        image = write_load(folder, step, self.moe_load.layer_ids(), counts)
+        self.metrics.log_image("moe/load", image, step)
 
     def _next_batches(self, batches: Iterator[Batch]) -> tuple[list[Batch], StepMetrics]:
         """The next step's micro-batches, and the metrics of their rollout (over all ranks)
@@ -245,7 +277,7 @@ class Trainer:
             if offload:
                 engine.offload_optimizer()
             try:  # in the loss's precision, so the first update's ratio is exactly 1
-                with engine.autocast():
+                with engine.autocast(), self.phases("rollout"):
                     results = [
                         self._rollout(mb, batches, first + j) for j, mb in enumerate(prompts)
                     ]

@@ -39,6 +39,10 @@ from torch.distributed.fsdp import FSDPModule
 # A DTensor shard's offset in the global tensor (reading only a shard's rows of an HF
 # checkpoint). Checked: 2.11, 2.13. No public equivalent.
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+# FSDP2's placement for a dim that expert parallelism already shards (experts over efsdp
+# after ep); not a Shard subclass, and only under a private name. Checked: 2.13.
+from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 from torch.serialization import _get_layout as layout_by_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -54,6 +58,39 @@ foreach_mul_ = torch._foreach_mul_
 flex_attention_op = torch.ops.higher_order.flex_attention
 """The higher-order op FlexAttention runs as (what selective checkpointing sees). Checked:
 2.11, 2.13."""
+
+
+def sharded_dim(placement: Placement) -> int | None:
+    """The tensor dim a DTensor placement splits (plain or FSDP2's strided shard), None for a
+    replicated or partial one."""
+    if isinstance(placement, (Shard, _StridedShard)):
+        return placement.dim
+    return None
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Join a process group of ``world_size`` ranks as ``rank`` in this process alone: torch's
+    fake backend, whose collectives return at once without data (the planner builds a large
+    layout's meshes and FSDP units with it). Only torch's test package has it. Checked: 2.13."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def record_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop and discard) recording the CUDA allocator's history of allocations and
+    frees with their stacks (the latest ``max_entries``), what a memory snapshot shows.
+    ``torch.cuda.memory`` offers it only under private names. Checked: 2.11, 2.13."""
+    torch.cuda.memory._record_memory_history(
+        enabled="all" if enabled else None, max_entries=max_entries
+    )
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the recorded history as the pickle that pytorch.org/memory_viz opens. Checked:
+    2.11, 2.13."""
+    torch.cuda.memory._dump_snapshot(path)
 
 
 def _optional_op(namespace: str, name: str) -> Any:
@@ -101,6 +138,7 @@ __all__ = [
     "flatten_mesh",
     "dcp_memory_format",
     "dcp_storage_info",
+    "dump_memory_snapshot",
     "foreach_mul_",
     "functional_all_reduce",
     "functional_all_to_all",
@@ -109,6 +147,9 @@ __all__ = [
     "fsdp_reshard_states",
     "grouped_mm",
     "layout_by_name",
+    "init_fake_process_group",
+    "record_memory_history",
     "restore_fsdp_reshard_states",
+    "sharded_dim",
     "varlen_attention_op",
 ]

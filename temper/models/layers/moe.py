@@ -10,6 +10,8 @@ auxiliary-loss-free balancing bias (``GroupLimitedRouter``, with optional shared
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +39,9 @@ class RoutingStats:
     prob_sum: torch.Tensor
     """[n_experts] fp32 router probabilities summed over tokens (carries the gradient)."""
     n_tokens: int
+    entropy_sum: torch.Tensor | None = None
+    """[] fp32 entropy (nats) of each token's router probabilities, summed (no gradient):
+    what an observer of the routing reads (temper.trainer.moe_load)."""
 
 
 @dataclass(frozen=True)
@@ -268,10 +273,13 @@ class MoE(nn.Module):
         probs, weights, experts = self.router(tokens)
         rows, order, counts = permute(tokens, experts, self.n_experts)
         out = self.dispatcher(self.experts, rows, counts)
-        if valid_len is None:
-            self.routing = RoutingStats(counts, probs.sum(dim=0), tokens.shape[0])
-        else:
-            self.routing = _real_token_routing(x.shape[:2], valid_len, probs, experts)
+        if _recomputing == 0:
+            if valid_len is None:
+                self.routing = RoutingStats(
+                    counts, probs.sum(dim=0), tokens.shape[0], _entropy_sum(probs)
+                )
+            else:
+                self.routing = _real_token_routing(x.shape[:2], valid_len, probs, experts)
         out = unpermute(out, order, weights).view_as(x)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
@@ -279,6 +287,23 @@ class MoE(nn.Module):
                 shared = self.shared_gate(x).sigmoid() * shared
             out = out + shared
         return out
+
+
+_recomputing = 0
+
+
+@contextmanager
+def keep_first_routing() -> Iterator[None]:
+    """Inside, MoE layers keep the routing statistics of their first forward: an activation
+    checkpoint's recomputation runs in it. Replaced by the recomputation's, they would be
+    unused, and their probabilities (which carry a gradient) would hold the block's whole
+    recomputed graph alive until the next forward."""
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
 
 
 def _real_token_routing(
@@ -291,7 +316,14 @@ def _real_token_routing(
     real_probs = probs.view(b, s, -1)[:, :valid_len]
     real_experts = experts.view(b, s, -1)[:, :valid_len]
     counts = tokens_per_expert(real_experts, probs.shape[-1])
-    return RoutingStats(counts, real_probs.sum(dim=(0, 1)), b * real_probs.shape[1])
+    n_tokens = b * real_probs.shape[1]
+    return RoutingStats(counts, real_probs.sum(dim=(0, 1)), n_tokens, _entropy_sum(real_probs))
+
+
+@torch.no_grad()
+def _entropy_sum(probs: torch.Tensor) -> torch.Tensor:
+    """Sum over tokens of ``-sum_e p_e log p_e``; a zero probability adds nothing."""
+    return -torch.special.xlogy(probs, probs).sum()
 
 
 def load_balancing_loss(stats: list[RoutingStats]) -> torch.Tensor:

@@ -1,0 +1,193 @@
+"""Activation memory of one micro-batch, measured rather than modelled: the run's own forward
+on the meta device (shapes only, no data, no memory), with every tensor autograd saves for
+backward counted per block, and the outputs that selective checkpointing keeps beside them.
+
+Each family's code is its own formula this way: MLA, Gated DeltaNet, MoE dispatch and the
+fused loss save what they save. The counts are the unsharded model's on one rank's tokens
+(``local_batch_size x seq_len / sp``), which is what a rank holds under FSDP (parameters are
+sharded, activations are not), EP (balanced routing sends as many rows as it receives) and
+Ulysses SP (a rank's slice of the sequence; attention's all-to-all trades heads for tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from temper.config import Config
+from temper.kernels.dispatch import configure_kernels
+from temper.objectives import Objective
+from temper.parallel.activation_checkpoint import SAVED_OPS
+from temper.utils.compat import TorchDispatchMode
+
+
+@dataclass
+class BlockActivations:
+    """Bytes one block holds between its forward and its backward."""
+
+    saved: int = 0
+    """What autograd saves in it (no checkpointing), less parameters."""
+    kept: int = 0
+    """Outputs of the ops selective checkpointing keeps (matmuls, attention, all-to-alls)."""
+    input: int = 0
+    """Its input hidden states: all that full checkpointing keeps."""
+    largest: int = 0
+    """Its largest saved tensor: its backward makes gradients that size (SwiGLU's gate and
+    up, say)."""
+
+
+@dataclass
+class Activations:
+    """One micro-batch's activation bytes on one rank, per block and outside the blocks
+    (embedding, final norm, loss and its chunked head)."""
+
+    blocks: list[BlockActivations] = field(default_factory=list)
+    outside: int = 0
+    attention_io: int = 0
+    """Bytes of q, k, v and output per micro-batch over all attention layers: what Ulysses'
+    all-to-alls move."""
+
+    def held(self, mode: str) -> int:
+        """Bytes held at the start of backward under activation checkpointing ``mode``: with
+        full, one block's recomputed activations join the kept inputs; with selective, the
+        part of them it did not keep."""
+        if not self.blocks:
+            return self.outside
+        if mode == "none":
+            return self.outside + sum(b.saved for b in self.blocks)
+        if mode == "full":
+            recompute = max(b.saved for b in self.blocks)
+            return self.outside + sum(b.input for b in self.blocks) + recompute
+        # Selective recomputes only what it did not keep.
+        recompute = max(max(b.saved - b.kept, 0) for b in self.blocks)
+        return self.outside + sum(b.input + b.kept for b in self.blocks) + recompute
+
+
+class _Storages:
+    """Storages counted once each (several saved views of one tensor cost one storage). Each
+    counted storage is kept alive (free on meta), so no later one reuses its address."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.seen = set(exclude)
+        self._alive: list[torch.UntypedStorage] = []
+
+    def bytes_of(self, t: object) -> int:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return 0
+        storage = t.untyped_storage()
+        if storage._cdata in self.seen:
+            return 0
+        self.seen.add(storage._cdata)
+        self._alive.append(storage)
+        return storage.nbytes()
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Adds the outputs of selective checkpointing's saved ops, and attention's q, k, v and
+    output, to the block running."""
+
+    def __init__(self, measure: _Measure) -> None:
+        super().__init__()
+        self.measure = measure
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+            self.measure.add_kept(sum(self.measure.kept_storages.bytes_of(t) for t in outputs))
+        return out
+
+
+class _FlashAttentionShapes(torch.autograd.Function):
+    """What a flash-style kernel (CUDA flash/varlen, CPU's fused sdpa) saves: q, k, v, the
+    output and the fp32 log-sum-exp per query and head; never the [s, s] scores that sdpa's
+    decomposition on meta would build."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        b, h, s, _ = q.shape  # the output in the kernels' [b, s, h, d] memory layout
+        out = q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _Measure:
+    def __init__(self, model: nn.Module) -> None:
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        params |= {b.untyped_storage()._cdata for b in model.buffers()}
+        self.saved_storages = _Storages(params)
+        self.kept_storages = _Storages(params)
+        self.activations = Activations()
+        self.current: BlockActivations | None = None
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
+    ) -> torch.Tensor:
+        """Stands in for ``F.scaled_dot_product_attention`` ([b, h, s, d] operands)."""
+        out = _FlashAttentionShapes.apply(q, k, v)
+        self.add_kept(self.kept_storages.bytes_of(out))
+        self.activations.attention_io += sum(t.nbytes for t in (q, k, v, out))
+        return out
+
+    def add_kept(self, n: int) -> None:
+        if self.current is not None:
+            self.current.kept += n
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        n = self.saved_storages.bytes_of(t)
+        if self.current is None:
+            self.activations.outside += n
+        else:
+            self.current.saved += n
+            self.current.largest = max(self.current.largest, n)
+        return t
+
+    @contextmanager
+    def blocks(self, blocks: list[nn.Module]) -> Iterator[None]:
+        def enter(module: nn.Module, args: tuple) -> None:
+            block = BlockActivations(input=sum(a.nbytes for a in args[:1]))
+            self.activations.blocks.append(block)
+            self.current = block
+
+        def leave(module: nn.Module, args: tuple, output: object) -> None:
+            self.current = None
+
+        handles = [b.register_forward_pre_hook(enter) for b in blocks]
+        handles += [b.register_forward_hook(leave) for b in blocks]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def measure_activations(
+    config: Config, model: nn.Module, objective: Objective, tokens: tuple[int, int]
+) -> Activations:
+    """Run ``objective.loss`` once on ``model`` (on meta, unsharded, not checkpointed) over a
+    micro-batch of ``tokens`` = (rows, sequence length) of one document each and count what
+    it saves. Attention counts as a flash-style kernel's (``_FlashAttentionShapes``)."""
+    configure_kernels(config.kernels, torch.device("meta"))
+    model.attn_backend = "sdpa"
+    rows, length = tokens
+    ids = torch.zeros(rows, length, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
+    measure = _Measure(model)
+    hooks = torch.autograd.graph.saved_tensors_hooks(measure.pack, lambda t: t)
+    attention = mock.patch.object(F, "scaled_dot_product_attention", measure.attention)
+    model.train()
+    with measure.blocks(list(model.layers)), hooks, attention, _KeptOutputs(measure):
+        objective.loss(model, batch)
+    return measure.activations

@@ -1,0 +1,191 @@
+"""The dry run against independent counts: shard sizes against torch.chunk and the
+parameters' own local shards, activation bytes against what autograd saves in a real CPU
+forward of the same model, communication against a hand count, errors against the rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import temper.engine  # noqa: F401  (registers the built-in rules)
+from temper.config import load_config
+from temper.engine.engine import build_run_model, load_run_tokenizer
+from temper.models.layers.moe import MoE
+from temper.objectives import CausalLM
+from temper.parallel.dims import ParallelDims
+from temper.parallel.parallelize import parallelize_decoder
+from temper.plan import main, plan_run
+from temper.plan.activations import measure_activations
+from temper.plan.layout import describe_params, rank_coordinates
+from temper.utils.compat import init_fake_process_group
+
+
+def config_of(recipe: str, *argv: str):
+    module = "temper.recipes.llama3" if recipe.startswith("llama3") else "temper.recipes.qwen3"
+    args = ["--training.seq_len", "32", "--training.local_batch_size", "2", *argv]
+    return load_config(module, recipe, args, validate=False)
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of ``world`` ranks as rank ``rank``; destroyed afterwards."""
+
+    def start(world: int, rank: int = 0) -> None:
+        init_fake_process_group(rank, world)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+CASES = [
+    # World 3 splits the 256-row weights unevenly (86, 86, 84 rows).
+    ("llama3_debug", 3, [], 0),
+    ("llama3_debug", 3, [], 2),
+    # Experts: Shard over ep, then FSDP2's strided shard over efsdp.
+    ("qwen3_moe_debug", 4, ["--parallelism.ep", "2"], 0),
+    ("qwen3_moe_debug", 4, ["--parallelism.ep", "2"], 3),
+]
+
+
+@pytest.mark.parametrize(("recipe", "world", "argv", "rank"), CASES)
+def test_shard_sizes_match_the_real_local_shards(fake_world, recipe, world, argv, rank) -> None:
+    config = config_of(recipe, *argv)
+    dims = ParallelDims.from_config(config.parallelism, world, rank=rank)
+    fake_world(world, rank)
+    model = build_run_model(config, load_run_tokenizer(config))
+    meshes = dims.build_meshes("cpu")
+    parallelize_decoder(model, config, meshes, torch.float32)
+    shards = describe_params(model, "adamw")
+    coords = rank_coordinates(meshes, world)
+    for p in model.parameters():
+        shard = shards[id(p)]
+        assert shard.local_numel(coords[rank]) == p.to_local().numel()
+        across = sum(shard.local_numel(coords[r]) for r in range(world))
+        assert across == p.numel()  # no replica: each element on exactly one rank
+    if world == 3:
+        weight = model.layers[0].attention.wq.weight
+        sizes = [shards[id(weight)].local_numel(coords[r]) for r in range(world)]
+        assert sizes == [c.numel() for c in torch.empty(weight.shape).chunk(3)]
+
+
+def saved_bytes_on_cpu(model: nn.Module, ids: torch.Tensor) -> tuple[int, int]:
+    """(bytes autograd saves inside the blocks, outside them) in a real CPU forward, each
+    storage once, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set(params)
+    totals = {"in": 0, "out": 0}
+    where = ["out"]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            totals[where[0]] += storage.nbytes()
+        return t
+
+    for block in model.layers:
+        block.register_forward_pre_hook(lambda m, a: where.__setitem__(0, "in"))
+        block.register_forward_hook(lambda m, a, o: where.__setitem__(0, "out"))
+    kept = []  # keep every saved storage alive: no address is reused
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or pack(t), lambda t: t):
+        loss, _, _ = CausalLM().loss(model, {"input_ids": ids, "labels": ids})
+    return totals["in"], totals["out"]
+
+
+@pytest.mark.parametrize("recipe", ["llama3_debug", "qwen3_moe_debug"])
+def test_meta_activations_equal_what_a_real_forward_saves(recipe) -> None:
+    config = config_of(recipe)
+    model = build_run_model(config, load_run_tokenizer(config))
+    measured = measure_activations(config, model, CausalLM(), (2, 32))
+    real = build_run_model(config, load_run_tokenizer(config)).to_empty(device="cpu")
+    real.init_weights()
+    real.attn_backend = "sdpa"
+    torch.manual_seed(0)
+    ids = torch.randint(0, 600, (2, 32))
+    inside, outside = saved_bytes_on_cpu(real, ids)
+    # The one difference: the real grouped GEMM also saves its [n_experts] int32 offsets.
+    offsets = sum(4 * m.n_experts for m in real.modules() if isinstance(m, MoE))
+    assert sum(b.saved for b in measured.blocks) == inside - offsets
+    assert measured.outside == outside
+    assert all(b.input == 2 * 32 * real.args.dim * 4 for b in measured.blocks)
+
+
+def test_communication_by_hand(fake_world) -> None:
+    """World 2, fp32, nothing resharded: each unit is gathered once and its gradient
+    reduce-scattered once per micro-batch, half of each arriving from the other rank."""
+    config = config_of(
+        "llama3_debug",
+        "--parallelism.fsdp_reshard_after_forward",
+        "never",
+        "--training.global_batch_size",
+        "8",
+    )
+    plan = plan_run(config, 2, "cpu")
+    assert plan.errors == [] and plan.grad_accum == 2
+    total = sum(p.numel() for p in build_run_model(config, load_run_tokenizer(config)).parameters())
+    comm = plan.communication
+    assert comm.all_gather == pytest.approx(2 * total * 4 / 2)
+    assert comm.reduce_scatter == pytest.approx(2 * total * 4 / 2)
+    assert comm.all_reduce == comm.all_to_all_ep == comm.all_to_all_sp == 0
+
+
+def test_expert_all_to_all_by_hand() -> None:
+    config = config_of("qwen3_moe_debug", "--parallelism.ep", "4")
+    plan = plan_run(config, 4, "cpu")
+    model = build_run_model(config, load_run_tokenizer(config))
+    moe_layers = sum(
+        1 for name, _ in model.named_modules() if name.endswith("feed_forward.experts")
+    )
+    top_k, dim = model.args.top_k, model.args.dim
+    # Dispatch and combine, forward and backward: 4 exchanges of 2 x 32 tokens x top_k rows.
+    expected = 4 * moe_layers * 2 * 32 * top_k * dim * 4 * 3 / 4
+    assert plan.communication.all_to_all_ep == pytest.approx(expected)
+
+
+def test_state_bytes_sum_to_the_model_over_ranks_and_replicas() -> None:
+    config = config_of(
+        "qwen3_moe_debug", "--parallelism.ep", "2", "--parallelism.dp_replicate", "2"
+    )
+    plan = plan_run(config, 8, "cpu")
+    total = sum(p.numel() for p in build_run_model(config, load_run_tokenizer(config)).parameters())
+    assert sum(r.state.params for r in plan.ranks) == 2 * total * 4  # two replicas
+    assert all(r.state.optimizer == 2 * r.state.grads for r in plan.ranks)  # AdamW: 2 states
+    assert plan.communication.all_reduce > 0
+
+
+def test_every_config_error_is_listed(capsys) -> None:
+    config = config_of("qwen3_moe_debug", "--parallelism.ep", "3", "--training.steps", "0")
+    plan = plan_run(config, 4, "cuda")
+    assert len(plan.errors) == 3
+    assert any("training.steps must be > 0" in e for e in plan.errors)
+    assert any("parallelism.ep (3) must divide parallelism.dp_shard" in e for e in plan.errors)
+    assert any("parallelism.ep (3) must divide the number of experts" in e for e in plan.errors)
+    argv = ["--module", "temper.recipes.qwen3", "--config", "qwen3_moe_debug", "--world_size", "4"]
+    assert main([*argv, "--parallelism.ep", "3"]) == 2
+    assert "parallelism.ep (3) must divide" in capsys.readouterr().out
+
+
+def test_a_256_rank_plan_prints_per_rank_groups(capsys) -> None:
+    argv = ["--module", "temper.recipes.qwen3", "--config", "qwen3_moe_debug"]
+    assert (
+        main([*argv, "--world_size", "256", "--parallelism.ep", "8", "--training.seq_len", "64"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "dp_shard 256" in out and "ep 8 (efsdp 32)" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    spans = [line.split("|")[1].strip() for line in rows]
+    covered = sum(int(s.split("-")[-1]) - int(s.split("-")[0]) + 1 for s in spans)
+    assert covered == 256
+
+
+def test_train_dry_run_flag_plans_instead_of_training(tmp_path, capsys) -> None:
+    from temper.train import main as train
+
+    argv = ["--dry_run", "--world_size", "2", "--device", "cpu"]
+    assert train([*argv, "--job.dump_folder", str(tmp_path / "run")]) == 0
+    assert "world 2 on cpu" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()  # nothing trained, no run folder
