@@ -78,8 +78,9 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: Literal["adamw", "muon"] = "adamw"
-    """adamw: AdamW on every parameter. muon: Muon on the blocks' weight matrices (each
+    name: Literal["adamw", "muon", "adamw8bit", "adamw4bit", "adamw_fp8"] = "adamw"
+    """adamw: AdamW on every parameter. adamw8bit / adamw4bit / adamw_fp8: the same AdamW with
+    its moments stored in 8 bits, 4 bits or fp8 (torchao.optim; see docs/precision.md). muon: Muon on the blocks' weight matrices (each
     stacked expert's on its own), AdamW (lr, betas, weight_decay) on embeddings, LM head,
     norms, biases and routers. See docs/optimizers.md."""
     lr: float = 3e-4

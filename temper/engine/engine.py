@@ -116,7 +116,7 @@ class Engine:
                 f"{shown}grad norm {grad_norm.item()} is not finite; the update was skipped. "
                 "Lower optimizer.lr or check the data."
             )
-        lr = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        lr = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))  # torchao keeps a tensor
         self.optimizer.step()
         if isinstance(self.model, PostStepHook):
             self.model.after_optimizer_step()
