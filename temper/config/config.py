@@ -254,6 +254,9 @@ class LoRA:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     """Linear layers to adapt: fnmatch patterns on Temper's module names, Hugging Face module
     names as PEFT reads them (q_proj, v_proj, gate_proj, ...), or all-linear."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """nf4: QLoRA, the frozen base weights of the adapted layers stored in 4-bit NormalFloat
+    (torchao), dequantized blockwise in each forward; the adapters stay full precision."""
     initial_adapter: str | None = None
     """A PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) whose adapters
     start the run instead of the fresh init; its r, lora_alpha, use_rslora and target layers
@@ -322,6 +325,29 @@ class Checkpoint:
     job.dump_folder/initial, reused once there) becomes initial_load."""
 
 
+@dataclass
+class Float8:
+    """FP8 training of the decoder blocks' linear layers (torchao.float8; docs/precision.md)."""
+
+    enable: bool = False
+    """Matmuls of every block's linear layer in float8 (e4m3 forward, e5m2 gradients); never
+    the LM head, embeddings, routers, gates or norms. Needs CUDA sm89+ (H100, L40, RTX 4090)
+    unless emulate."""
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """Scaling: one scale per tensor (fastest) or one per row of each operand (more accurate
+    where a few rows hold outliers)."""
+    emulate: bool = False
+    """Compute the float8 casts and scaled matmuls in plain PyTorch (any device, slow): for
+    tests and debugging."""
+    fsdp_all_gather: bool = False
+    """tensorwise under FSDP2: all-gather the weights as float8 (half the bytes of bf16)."""
+
+
+@dataclass
+class Quantize:
+    float8: Float8 = field(default_factory=Float8)
+
+
 Impl = Literal["auto", "reference", "compile", "triton"]
 Op = Literal["cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute", "gated_delta"]
 
@@ -382,6 +408,7 @@ class Config:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     kernels: Kernels = field(default_factory=Kernels)
+    quantize: Quantize = field(default_factory=Quantize)
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError naming the first field that breaks a rule: this section's own

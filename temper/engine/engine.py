@@ -28,6 +28,7 @@ from temper.models.lora import apply_lora, init_lora
 from temper.models.protocols import PostStepHook
 from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from temper.parallel.dims import ParallelDims
+from temper.quantize import prepare_model
 from temper.parallel.grad_norm import clip_grad_norm_
 from temper.parallel.parallelize import parallelize_decoder
 from temper.parallel.sharded_init import layout_invariant_init
@@ -62,6 +63,7 @@ class Engine:
 
         self.tokenizer: Tokenizer = load_run_tokenizer(config)
         model = build_run_model(config, self.tokenizer)
+        prepare_model(model, config)
         self.checkpointer = TrainCheckpointer(config)
         self.checkpointer.check(model)
         self.meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None

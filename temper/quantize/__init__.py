@@ -1,0 +1,10 @@
+"""Lower-precision training and storage, one module per scheme, each on torchao (imported
+only when its scheme is asked for): FP8 matmuls (``float8``), fake-quantized fine-tuning and
+its export (``qat``), NF4 base weights under LoRA (``nf4``). ``prepare_model`` applies what a
+config asks to the meta model, between LoRA and parallelization.
+"""
+
+from temper.quantize.float8 import apply_float8, float8_targets
+from temper.quantize.prepare import prepare_model
+
+__all__ = ["apply_float8", "float8_targets", "prepare_model"]

@@ -1,0 +1,15 @@
+"""What a config's quantization sections do to the meta model, in one place and one order."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from temper.config import Config
+from temper.quantize.float8 import apply_float8
+
+
+def prepare_model(model: nn.Module, config: Config) -> None:
+    """Apply ``quantize.float8`` to ``model`` (built on meta, LoRA added): before
+    parallelization, so FSDP2 shards the swapped layers and their float8 all-gather."""
+    if config.quantize.float8.enable:
+        apply_float8(model, config.quantize.float8)
