@@ -80,9 +80,9 @@ class Training:
 class Optimizer:
     name: Literal["adamw", "muon", "adamw8bit", "adamw4bit", "adamw_fp8"] = "adamw"
     """adamw: AdamW on every parameter. adamw8bit / adamw4bit / adamw_fp8: the same AdamW with
-    its moments stored in 8 bits, 4 bits or fp8 (torchao.optim; see docs/precision.md). muon: Muon on the blocks' weight matrices (each
-    stacked expert's on its own), AdamW (lr, betas, weight_decay) on embeddings, LM head,
-    norms, biases and routers. See docs/optimizers.md."""
+    its moments stored in 8 bits, 4 bits or fp8 (torchao.optim; docs/precision.md). muon: Muon
+    on the blocks' weight matrices (each stacked expert's on its own), AdamW (lr, betas,
+    weight_decay) on embeddings, LM head, norms, biases and routers. See docs/optimizers.md."""
     lr: float = 3e-4
     """Peak learning rate (with muon: of the AdamW parameters)."""
     beta1: float = 0.9
@@ -284,6 +284,10 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free a block's gathered weights after its forward (and gather again for backward)?
     default: every block but the last; always; never (more memory, less communication)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer state live in
+    host memory (the optimizer steps on the CPU); each unit's weights are copied to the device
+    for its forward and backward. For models whose state does not fit the GPUs; slower."""
 
 
 @dataclass
@@ -333,9 +337,10 @@ class Float8:
     """Matmuls of every block's linear layer in float8 (e4m3 forward, e5m2 gradients); never
     the LM head, embeddings, routers, gates or norms. Needs CUDA sm89+ (H100, L40, RTX 4090)
     unless emulate."""
-    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
-    """Scaling: one scale per tensor (fastest) or one per row of each operand (more accurate
-    where a few rows hold outliers)."""
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """Scaling: one scale per tensor (fastest), one per row of each operand (more accurate
+    where a few rows hold outliers), or rowwise with the weight gradient's matmul kept in
+    high precision (torchao's recipes of these names)."""
     emulate: bool = False
     """Compute the float8 casts and scaled matmuls in plain PyTorch (any device, slow): for
     tests and debugging."""

@@ -28,10 +28,11 @@ from temper.models.lora import apply_lora, init_lora
 from temper.models.protocols import PostStepHook
 from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from temper.parallel.dims import ParallelDims
-from temper.quantize import prepare_model
+from temper.parallel.fsdp import move_buffers, parameter_device
 from temper.parallel.grad_norm import clip_grad_norm_
 from temper.parallel.parallelize import parallelize_decoder
 from temper.parallel.sharded_init import layout_invariant_init
+from temper.quantize import prepare_model
 from temper.utils.device import Runtime, init_runtime, resolve_dtype, seed_everything
 
 
@@ -69,7 +70,9 @@ class Engine:
         self.meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None
         self.sequence_parallel = parallelize_decoder(model, config, self.meshes, self.dtype)
         with layout_invariant_init():
-            self.model: nn.Module = materialize(model, self.device, config.model.hf_path)
+            home = parameter_device(config, self.device)
+            self.model: nn.Module = materialize(model, home, config.model.hf_path)
+            move_buffers(self.model, self.device)
             init_lora(self.model)
         if config.lora.enable and config.lora.initial_adapter is not None:
             load_initial_adapter(self.model, config.lora)
