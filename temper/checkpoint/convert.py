@@ -41,6 +41,7 @@ from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.models import get_model_spec, load_hf, materialize, save_hf
 from temper.models.hf import hf_module_names
 from temper.models.lora import apply_lora, merge_lora
+from temper.quantize import quantize_lora_base
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -85,6 +86,8 @@ def load_checkpoint_model(checkpoint: Path, merge: bool = True) -> nn.Module:
             hf_names=hf_module_names(model),
         )
     materialize(model, "cpu")
+    if lora and lora.get("quantize_base") == "nf4":
+        quantize_lora_base(model)  # the checkpoint holds NF4 codes and scales
     manager = CheckpointManager(checkpoint.parent, keep_latest_k=0, async_mode=False)
     manager.load(checkpoint, {"model": get_model_state_dict(model)})
     # The HF folder holds plain weights W + scale * B A.

@@ -32,7 +32,7 @@ from temper.parallel.fsdp import move_buffers, parameter_device
 from temper.parallel.grad_norm import clip_grad_norm_
 from temper.parallel.parallelize import parallelize_decoder
 from temper.parallel.sharded_init import layout_invariant_init
-from temper.quantize import prepare_model
+from temper.quantize import finish_model, prepare_model
 from temper.utils.device import Runtime, init_runtime, resolve_dtype, seed_everything
 
 
@@ -78,6 +78,7 @@ class Engine:
             load_initial_adapter(self.model, config.lora)
         if self.checkpointer.resume_step is None and config.checkpoint.initial_load:
             load_model_weights(self.model, config.checkpoint.initial_load)
+        finish_model(self.model, config)
         self.model.attn_backend = config.model.attn
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self._offload = OptimizerOffload(self.optimizer)

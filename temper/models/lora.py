@@ -179,9 +179,11 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 def merged_weight(weight: torch.Tensor, module: LoRALinear) -> torch.Tensor:
     """``W + scale * B A`` (computed in fp32) from the full base ``weight`` and ``module``'s
-    adapters, gathered here when sharded."""
+    adapters, gathered here when sharded. A quantized base (QLoRA's NF4) dequantizes in
+    ``.to(float32)``, and the merged weight has the dtype it was quantized from."""
     a, b = (full_tensor(p.detach()) for p in (module.lora_a, module.lora_b))
-    return (weight.float() + module.scale * (b.float() @ a.float())).to(weight.dtype)
+    base = weight.to(torch.float32)
+    return (base + module.scale * (b.float() @ a.float())).to(weight.dtype)
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:

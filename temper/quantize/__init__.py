@@ -5,6 +5,7 @@ config asks to the meta model, between LoRA and parallelization.
 """
 
 from temper.quantize.float8 import apply_float8, float8_targets
-from temper.quantize.prepare import prepare_model
+from temper.quantize.nf4 import quantize_lora_base
+from temper.quantize.prepare import finish_model, prepare_model
 
-__all__ = ["apply_float8", "float8_targets", "prepare_model"]
+__all__ = ["apply_float8", "finish_model", "float8_targets", "prepare_model", "quantize_lora_base"]

@@ -6,6 +6,7 @@ from torch import nn
 
 from temper.config import Config
 from temper.quantize.float8 import apply_float8
+from temper.quantize.nf4 import quantize_lora_base
 
 
 def prepare_model(model: nn.Module, config: Config) -> None:
@@ -13,3 +14,10 @@ def prepare_model(model: nn.Module, config: Config) -> None:
     parallelization, so FSDP2 shards the swapped layers and their float8 all-gather."""
     if config.quantize.float8.enable:
         apply_float8(model, config.quantize.float8)
+
+
+def finish_model(model: nn.Module, config: Config) -> None:
+    """What needs the real weights, once they are in and before the optimizer is built: the
+    NF4 base of QLoRA (``lora.quantize_base``)."""
+    if config.lora.enable and config.lora.quantize_base == "nf4":
+        quantize_lora_base(model)
