@@ -41,7 +41,7 @@ from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.models import get_model_spec, load_hf, materialize, save_hf
 from temper.models.hf import hf_module_names
 from temper.models.lora import apply_lora, merge_lora
-from temper.quantize import quantize_lora_base
+from temper.quantize import quantize_lora_base, write_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -158,6 +158,8 @@ def dcp_to_hf(
         files[CHAT_TEMPLATE_FILE] = template
     for name, text in files.items():
         (output / name).write_text(text)
+    if metadata.get("qat"):
+        write_quantization(output, metadata["qat"])  # load_quantized reads it
 
 
 def _chat_template(files: dict[str, str], source: str | None) -> str | None:

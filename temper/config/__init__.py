@@ -2,6 +2,7 @@
 
 from temper.config.config import (
     DEFAULT_LORA_TARGETS,
+    QAT,
     ActivationCheckpoint,
     Checkpoint,
     Compile,
@@ -47,6 +48,7 @@ __all__ = [
     "ObjectiveConfig",
     "Optimizer",
     "Parallelism",
+    "QAT",
     "Quantize",
     "Training",
     "check_positive",

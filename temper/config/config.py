@@ -353,6 +353,24 @@ class Quantize:
     float8: Float8 = field(default_factory=Float8)
 
 
+@dataclass
+class QAT:
+    """Quantization-aware fine-tuning (torchao QAT; docs/precision.md)."""
+
+    enable: bool = False
+    """Train the blocks' linear layers through fake quantization (weights rounded to
+    weight_bits integers per group, activations to int8 per token, gradients straight
+    through), so the model survives the real quantization its export gets."""
+    weight_bits: Literal[4, 8] = 4
+    """Integer bits of each weight (symmetric)."""
+    group_size: int = 32
+    """Weights per scale, along each row; a layer whose input width it does not divide keeps
+    full precision."""
+    activations: bool = True
+    """Also fake-quantize each linear layer's input to int8 (dynamic, one scale per token):
+    the int8-activation int4-weight scheme; False = weight-only."""
+
+
 Impl = Literal["auto", "reference", "compile", "triton"]
 Op = Literal["cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute", "gated_delta"]
 
@@ -414,6 +432,7 @@ class Config:
     compile: Compile = field(default_factory=Compile)
     kernels: Kernels = field(default_factory=Kernels)
     quantize: Quantize = field(default_factory=Quantize)
+    qat: QAT = field(default_factory=QAT)
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError naming the first field that breaks a rule: this section's own

@@ -21,24 +21,16 @@ import torch
 from torch import nn
 
 from temper.config import Config, ConfigError, Float8, register_rule
+from temper.quantize.targets import block_linears
 
 
 def float8_targets(model: nn.Module) -> list[str]:
-    """The linear layers FP8 trains: plain ``nn.Linear``s inside ``model.layers`` that are not
-    a router's or a gate's, with both dimensions multiples of 16."""
-    chosen = []
-    for name, module in model.named_modules():
-        parts = name.split(".")
-        if (
-            type(module) is nn.Linear
-            and parts[0] == "layers"
-            and "router" not in parts
-            and not parts[-1].endswith("gate")
-            and module.in_features % 16 == 0
-            and module.out_features % 16 == 0
-        ):
-            chosen.append(name)
-    return chosen
+    """The linear layers FP8 trains: ``block_linears`` with both dimensions multiples of 16."""
+    return [
+        name
+        for name, linear in block_linears(model)
+        if linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+    ]
 
 
 def apply_float8(model: nn.Module, config: Float8) -> list[str]:

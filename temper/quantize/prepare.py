@@ -7,13 +7,16 @@ from torch import nn
 from temper.config import Config
 from temper.quantize.float8 import apply_float8
 from temper.quantize.nf4 import quantize_lora_base
+from temper.quantize.qat import prepare_qat
 
 
 def prepare_model(model: nn.Module, config: Config) -> None:
-    """Apply ``quantize.float8`` to ``model`` (built on meta, LoRA added): before
-    parallelization, so FSDP2 shards the swapped layers and their float8 all-gather."""
+    """Apply ``quantize.float8`` or ``qat`` to ``model`` (built on meta, LoRA added): before
+    parallelization, so FSDP2 shards the swapped layers (and their float8 all-gather)."""
     if config.quantize.float8.enable:
         apply_float8(model, config.quantize.float8)
+    if config.qat.enable:
+        prepare_qat(model, config.qat)
 
 
 def finish_model(model: nn.Module, config: Config) -> None:
