@@ -59,4 +59,22 @@ if [ "${BENCH:-1}" != 0 ]; then
     2>&1 | tee "$LOGS/optimizer.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
+
+if [ "${PRECISION:-1}" != 0 ]; then
+  # torchao schemes on the GPU (docs/precision.md): FP8 (real float8 matmuls, no emulation)
+  # against bf16 tokens/s, the 8-bit AdamW, and LoRA against QLoRA memory, on Llama 3
+  # 8B-shaped layers (4 of 32); with 2+ GPUs, FSDP2 CPU offload training and checkpointing.
+  "$PY" -m bench.precision --device cuda --model llama3:8b --layers 4 --batch 2 --seq-len 4096 \
+    --schemes base,float8_tensorwise,float8_rowwise,adamw8bit 2>&1 | tee "$LOGS/precision_fp8.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  "$PY" -m bench.precision --device cuda --model llama3:8b --layers 4 --batch 2 --seq-len 4096 \
+    --schemes lora,qlora 2>&1 | tee "$LOGS/precision_qlora.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    MODULE=temper.recipes.llama3 CONFIG=llama3_debug NGPU=2 ./run_train.sh --training.steps 4 \
+      --parallelism.fsdp_cpu_offload --checkpoint.enable --checkpoint.interval 2 \
+      --job.dump_folder "$LOGS/offload" 2>&1 | tee "$LOGS/offload.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
+fi
 exit $status

@@ -47,7 +47,7 @@ from temper.checkpoint.tokenizer_files import (
 )
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
-from temper.models import load_hf, materialize
+from temper.models import load_hf, materialize, save_hf
 from temper.models.hf import (
     build_hf_model,
     carried_tensors,
@@ -56,6 +56,7 @@ from temper.models.hf import (
 )
 from temper.models.lora import merge_lora
 from temper.models.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_streaming
+from temper.quantize import quantize_lora_base, write_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -85,6 +86,8 @@ def load_checkpoint_model(checkpoint: Path) -> nn.Module:
     """The model a checkpoint describes, with its weights, on the CPU, LoRA adapters merged
     into their base weights (W + scale * B A, as the HF folder holds them)."""
     model = materialize(checkpoint_meta_model(checkpoint), "cpu")
+    if _nf4_base(read_metadata(checkpoint)):
+        quantize_lora_base(model)  # the checkpoint holds NF4 codes and scales
     manager = CheckpointManager(checkpoint.parent, keep_latest_k=0, async_mode=False)
     manager.load(checkpoint, {"model": get_model_state_dict(model)})
     return merge_lora(model)
@@ -130,7 +133,6 @@ def dcp_to_hf(
         model = load_adapters(checkpoint, checkpoint_meta_model(checkpoint))
         save_peft_adapter(model, lora, output, metadata.get("hf_path"))
         return
-    model = checkpoint_meta_model(checkpoint)
     cast = DTYPES[dtype] if dtype is not None else None
     source = checkpoint_tokenizer(checkpoint, metadata)
     tokenizer = load_tokenizer(source)
@@ -143,21 +145,37 @@ def dcp_to_hf(
     turn_end = _turn_end(tokenizer, template)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else turn_end
     stops = sorted(stop_token_ids(tokenizer, template)) if template is not None else turn_end
-    plan = hf_tensor_plan(model, cast)
-    tensors = streamed_hf_tensors(checkpoint, model, cast)
+    token_ids = {"eos_token_id": turn_end, "pad_token_id": pad}
     start = _existing(metadata.get("hf_path"))
-    carried = carried_tensors(model, start) if start is not None else {}
-    plan |= {key: torch.empty_like(t, device="meta") for key, t in carried.items()}
-    write_safetensors_streaming(
-        output, plan, itertools.chain(tensors, carried.items()), max_shard_bytes
-    )
-    write_hf_config(
-        output,
-        model,
-        cast or next(model.parameters()).dtype,
-        extra_config={"eos_token_id": turn_end, "pad_token_id": pad},
-        generation_config={"eos_token_id": stops},
-    )
+    if _nf4_base(metadata):
+        # NF4 codes do not reshard tensor by tensor: the (small) quantized model is loaded
+        # whole and merged.
+        model = load_checkpoint_model(checkpoint)
+        model = model.to(cast) if cast is not None else model
+        save_hf(
+            model,
+            output,
+            extra_config=token_ids,
+            generation_config={"eos_token_id": stops},
+            max_shard_bytes=max_shard_bytes,
+            carry_from=start,
+        )
+    else:
+        model = checkpoint_meta_model(checkpoint)
+        plan = hf_tensor_plan(model, cast)
+        tensors = streamed_hf_tensors(checkpoint, model, cast)
+        carried = carried_tensors(model, start) if start is not None else {}
+        plan |= {key: torch.empty_like(t, device="meta") for key, t in carried.items()}
+        write_safetensors_streaming(
+            output, plan, itertools.chain(tensors, carried.items()), max_shard_bytes
+        )
+        write_hf_config(
+            output,
+            model,
+            cast or next(model.parameters()).dtype,
+            extra_config=token_ids,
+            generation_config={"eos_token_id": stops},
+        )
     config = json.loads(files["tokenizer_config.json"])
     config["eos_token"] = tokenizer.decode([turn_end])
     config["pad_token"] = tokenizer.decode([pad])
@@ -166,6 +184,14 @@ def dcp_to_hf(
         files[CHAT_TEMPLATE_FILE] = template
     for name, text in files.items():
         (output / name).write_text(text)
+    if metadata.get("qat"):
+        write_quantization(output, metadata["qat"])  # load_quantized reads it
+
+
+def _nf4_base(metadata: dict) -> bool:
+    """A QLoRA run's checkpoint: its adapted layers' base weights are NF4 codes and scales."""
+    lora = metadata["structure"].get("lora")
+    return bool(lora) and lora.get("quantize_base") == "nf4"
 
 
 def _existing(folder: str | None) -> str | None:

@@ -85,10 +85,11 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: Literal["adamw", "muon"] = "adamw"
-    """adamw: AdamW on every parameter. muon: Muon on the blocks' weight matrices (each
-    stacked expert's on its own), AdamW (lr, betas, weight_decay) on embeddings, LM head,
-    norms, biases and routers. See docs/optimizers.md."""
+    name: Literal["adamw", "muon", "adamw8bit", "adamw4bit", "adamw_fp8"] = "adamw"
+    """adamw: AdamW on every parameter. adamw8bit / adamw4bit / adamw_fp8: the same AdamW with
+    its moments stored in 8 bits, 4 bits or fp8 (torchao.optim; docs/precision.md). muon: Muon
+    on the blocks' weight matrices (each stacked expert's on its own), AdamW (lr, betas,
+    weight_decay) on embeddings, LM head, norms, biases and routers. See docs/optimizers.md."""
     lr: float = 3e-4
     """Peak learning rate (with muon: of the AdamW parameters)."""
     beta1: float = 0.9
@@ -268,6 +269,9 @@ class LoRA:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     """Linear layers to adapt: fnmatch patterns on Temper's module names, Hugging Face module
     names as PEFT reads them (q_proj, v_proj, gate_proj, ...), or all-linear."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """nf4: QLoRA, the frozen base weights of the adapted layers stored in 4-bit NormalFloat
+    (torchao), dequantized blockwise in each forward; the adapters stay full precision."""
     initial_adapter: str | None = None
     """A PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) whose adapters
     start the run instead of the fresh init; its r, lora_alpha, use_rslora and target layers
@@ -319,6 +323,10 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free a block's gathered weights after its forward (and gather again for backward)?
     default: every block but the last; always; never (more memory, less communication)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer state live in
+    host memory (the optimizer steps on the CPU); each unit's weights are copied to the device
+    for its forward and backward. For models whose state does not fit the GPUs; slower."""
 
 
 @dataclass
@@ -358,6 +366,48 @@ class Checkpoint:
     """``module:function`` of a recipe, then any of its overrides (``--training.steps 90``),
     to train first when initial_load is None; its final checkpoint (under
     job.dump_folder/initial, reused once there) becomes initial_load."""
+
+
+@dataclass
+class Float8:
+    """FP8 training of the decoder blocks' linear layers (torchao.float8; docs/precision.md)."""
+
+    enable: bool = False
+    """Matmuls of every block's linear layer in float8 (e4m3 forward, e5m2 gradients); never
+    the LM head, embeddings, routers, gates or norms. Needs CUDA sm89+ (H100, L40, RTX 4090)
+    unless emulate."""
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """Scaling: one scale per tensor (fastest), one per row of each operand (more accurate
+    where a few rows hold outliers), or rowwise with the weight gradient's matmul kept in
+    high precision (torchao's recipes of these names)."""
+    emulate: bool = False
+    """Compute the float8 casts and scaled matmuls in plain PyTorch (any device, slow): for
+    tests and debugging."""
+    fsdp_all_gather: bool = False
+    """tensorwise under FSDP2: all-gather the weights as float8 (half the bytes of bf16)."""
+
+
+@dataclass
+class Quantize:
+    float8: Float8 = field(default_factory=Float8)
+
+
+@dataclass
+class QAT:
+    """Quantization-aware fine-tuning (torchao QAT; docs/precision.md)."""
+
+    enable: bool = False
+    """Train the blocks' linear layers through fake quantization (weights rounded to
+    weight_bits integers per group, activations to int8 per token, gradients straight
+    through), so the model survives the real quantization its export gets."""
+    weight_bits: Literal[4, 8] = 4
+    """Integer bits of each weight (symmetric)."""
+    group_size: int = 32
+    """Weights per scale, along each row; a layer whose input width it does not divide keeps
+    full precision."""
+    activations: bool = True
+    """Also fake-quantize each linear layer's input to int8 (dynamic, one scale per token):
+    the int8-activation int4-weight scheme; False = weight-only."""
 
 
 Impl = Literal["auto", "reference", "compile", "triton"]
@@ -421,6 +471,8 @@ class Config:
     compile: Compile = field(default_factory=Compile)
     kernels: Kernels = field(default_factory=Kernels)
     profiling: Profiling = field(default_factory=Profiling)
+    quantize: Quantize = field(default_factory=Quantize)
+    qat: QAT = field(default_factory=QAT)
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError naming the first field that breaks a rule: this section's own

@@ -67,6 +67,7 @@ class TrainCheckpointer:
             "tokenizer_source": _absolute(source),
             "hf_path": _absolute(config.model.hf_path),
             "data_format": config.data.format,
+            "qat": dataclasses.asdict(config.qat) if config.qat.enable else None,
         }
         self._resume_step: int | None = None
 

@@ -31,9 +31,11 @@ from temper.models.protocols import PostStepHook
 from temper.models.qwen3_5_vl.model import VisionLanguage
 from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from temper.parallel.dims import ParallelDims
+from temper.parallel.fsdp import move_buffers, parameter_device
 from temper.parallel.grad_norm import clip_grad_norm_
 from temper.parallel.parallelize import parallelize_decoder
 from temper.parallel.sharded_init import layout_invariant_init
+from temper.quantize import finish_model, prepare_model
 from temper.utils.device import Runtime, init_runtime, resolve_dtype, seed_everything
 
 
@@ -74,17 +76,21 @@ class Engine:
 
         self.tokenizer: Tokenizer = load_run_tokenizer(config)
         model = build_run_model(config, self.tokenizer)
+        prepare_model(model, config)
         self.checkpointer = TrainCheckpointer(config)
         self.checkpointer.check(model)
         self.meshes = self.dims.build_meshes(self.device.type) if self.dims.sharded else None
         self.sequence_parallel = parallelize_decoder(model, config, self.meshes, self.dtype)
         with layout_invariant_init():
-            self.model: nn.Module = materialize(model, self.device, config.model.hf_path)
+            home = parameter_device(config, self.device)
+            self.model: nn.Module = materialize(model, home, config.model.hf_path)
+            move_buffers(self.model, self.device)
             init_lora(self.model)
         if config.lora.enable and config.lora.initial_adapter is not None:
             load_initial_adapter(self.model, config.lora)
         if self.checkpointer.resume_step is None and config.checkpoint.initial_load:
             load_model_weights(self.model, config.checkpoint.initial_load)
+        finish_model(self.model, config)
         self.model.attn_backend = config.model.attn
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self._offload = OptimizerOffload(self.optimizer)
@@ -131,7 +137,7 @@ class Engine:
                 values,
                 norm,
             )
-        lr = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        lr = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))  # torchao keeps a tensor
         self.optimizer.step()
         if isinstance(self.model, PostStepHook):
             self.model.after_optimizer_step()

@@ -179,7 +179,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 def merged_weight(weight: torch.Tensor, module: LoRALinear) -> torch.Tensor:
     """``W + scale * B A`` (computed in fp32) from the full base ``weight`` and ``module``'s
-    adapters, gathered here when sharded."""
+    adapters, gathered here when sharded. A quantized base (QLoRA's NF4) dequantizes in
+    ``.to(float32)``, and the merged weight has the dtype it was quantized from."""
     a, b = (full_tensor(p.detach()) for p in (module.lora_a, module.lora_b))
     return merge_adapters(weight, a, b, module.scale)
 
@@ -187,8 +188,10 @@ def merged_weight(weight: torch.Tensor, module: LoRALinear) -> torch.Tensor:
 def merge_adapters(
     weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """``W + scale * B A``, computed in fp32, in ``W``'s dtype."""
-    return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+    """``W + scale * B A``, computed in fp32, in ``W``'s dtype (a quantized base, QLoRA's
+    NF4, dequantizes in ``.to(float32)``; the merge has the dtype it was quantized from)."""
+    base = weight.to(torch.float32)
+    return (base + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Optimizers and learning-rate schedules."""
 
+from temper.optim.low_bit import state_bytes
 from temper.optim.lr_schedule import build_lr_scheduler, lr_factor
 from temper.optim.muon import Muon
 from temper.optim.offload import OptimizerOffload, OptimizerOffloadedError
@@ -12,4 +13,5 @@ __all__ = [
     "build_lr_scheduler",
     "build_optimizer",
     "lr_factor",
+    "state_bytes",
 ]

@@ -7,15 +7,25 @@ from torch import nn
 
 from temper.config import Optimizer as OptimizerConfig
 from temper.models.layers.moe import MoE
+from temper.optim.low_bit import LOW_BIT_ADAMW, build_low_bit_adamw
 from temper.optim.muon import Muon
 from temper.optim.qk_clip import QKClip
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW (``optimizer.name adamw``) or Muon with AdamW beside it (``muon``)."""
+    """AdamW (``optimizer.name adamw``), torchao's low-bit AdamW (``adamw8bit``, ``adamw4bit``,
+    ``adamw_fp8``; same groups) or Muon with AdamW beside it (``muon``)."""
     if config.name == "muon":
         return build_muon(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
+    if config.name in LOW_BIT_ADAMW:
+        return build_low_bit_adamw(
+            config.name,
+            _adamw_groups(params, config),
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+        )
     return torch.optim.AdamW(
         _adamw_groups(params, config),
         lr=config.lr,

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from temper.models.layers.moe import MoE
@@ -66,7 +66,11 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def apply_expert_fsdp(
-    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, reshard: bool
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard: bool,
+    offload: OffloadPolicy | None = None,
 ) -> None:
     """One FSDP unit per experts module over ``edp x efsdp`` (HSDP when ``edp > 1``).
 
@@ -75,7 +79,13 @@ def apply_expert_fsdp(
     """
     dp_mesh = mesh["edp", "efsdp"] if mesh["edp"].size() > 1 else mesh["efsdp"]
     for moe in _moe_layers(model):
-        fully_shard(moe.experts, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(
+            moe.experts,
+            mesh=dp_mesh,
+            mp_policy=mp_policy,
+            offload_policy=offload or OffloadPolicy(),
+            reshard_after_forward=reshard,
+        )
 
 
 def _moe_layers(model: nn.Module) -> list[MoE]:

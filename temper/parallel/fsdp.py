@@ -8,11 +8,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
+    OffloadPolicy,
     fully_shard,
     register_fsdp_forward_method,
 )
+
+from temper.config import Config, ConfigError, register_rule
 
 ReshardPolicy = Literal["default", "always", "never"]
 
@@ -23,6 +27,7 @@ def apply_fsdp(
     *,
     param_dtype: torch.dtype,
     reshard_after_forward: ReshardPolicy,
+    offload: OffloadPolicy | None = None,
 ) -> None:
     """Shard `model` (on meta or materialized) over `mesh`: 1-D FSDP or 2-D HSDP.
 
@@ -41,6 +46,7 @@ def apply_fsdp(
             block,
             mesh=mesh,
             mp_policy=mp,
+            offload_policy=offload,
             reshard_after_forward=_reshard(reshard_after_forward, needed_next=last),
         )
     if model.output.weight is not model.tok_embeddings.weight:
@@ -48,12 +54,17 @@ def apply_fsdp(
             model.tok_embeddings,
             mesh=mesh,
             mp_policy=mp,
+            offload_policy=offload,
             reshard_after_forward=_reshard(reshard_after_forward, needed_next=False),
         )
         fully_shard(
-            [model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=False
+            [model.norm, model.output],
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=False,
         )
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     # The fused loss calls `hidden_states` instead of forward: FSDP must gather around it too.
     register_fsdp_forward_method(model, "hidden_states")
     for module in model.modules():
@@ -67,6 +78,36 @@ def mixed_precision(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
     if param_dtype == torch.float32:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:
+    """``parallelism.fsdp_cpu_offload``'s policy: shards in (pinned, with CUDA) host memory,
+    or none."""
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+
+
+def parameter_device(config: Config, device: torch.device) -> torch.device:
+    """Where a run's (sharded) parameters are allocated: the host under CPU offload."""
+    return torch.device("cpu") if config.parallelism.fsdp_cpu_offload else device
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Put ``model``'s buffers (RoPE tables) on ``device``: under CPU offload only the
+    parameters stay on the host, and the forward reads the buffers where it computes."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, buffer.to(device))  # stays a buffer, persistent or not
+
+
+@register_rule
+def _check_cpu_offload(config: Config, world_size: int) -> None:
+    if config.parallelism.fsdp_cpu_offload and world_size < 2:
+        raise ConfigError(
+            "parallelism.fsdp_cpu_offload offloads FSDP2's shards; this run has one process "
+            "and no FSDP: launch it on several ranks (NGPU=2 ./run_train.sh ...)"
+        )
 
 
 def _reshard(policy: ReshardPolicy, needed_next: bool) -> bool:

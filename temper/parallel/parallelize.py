@@ -10,7 +10,7 @@ from temper.parallel.activation_checkpoint import apply_activation_checkpointing
 from temper.parallel.compile import apply_compile
 from temper.parallel.dims import Meshes
 from temper.parallel.expert import apply_expert_fsdp, apply_expert_parallel
-from temper.parallel.fsdp import apply_fsdp, mixed_precision
+from temper.parallel.fsdp import apply_fsdp, mixed_precision, offload_policy
 from temper.parallel.ulysses import SequenceParallel
 
 
@@ -39,17 +39,20 @@ def parallelize_decoder(
     if config.compile.enable:
         apply_compile(blocks)
     if meshes is not None:
+        offload = offload_policy(config.parallelism.fsdp_cpu_offload, meshes.fsdp.device_type)
         if expert_mesh is not None:
             apply_expert_fsdp(
                 model,
                 expert_mesh,
                 mixed_precision(dtype),
                 reshard=config.parallelism.fsdp_reshard_after_forward != "never",
+                offload=offload,
             )
         apply_fsdp(
             model,
             meshes.fsdp,
             param_dtype=dtype,
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+            offload=offload,
         )
     return sequence_parallel

@@ -74,12 +74,17 @@ def losses(result: dict) -> list[float]:
 
 @pytest.mark.parametrize(
     ("world", "optimizer"),
-    [(1, "adamw"), (2, "adamw"), pytest.param(2, "muon", marks=pytest.mark.slow)],
+    [
+        (1, "adamw"),
+        (2, "adamw"),
+        pytest.param(2, "muon", marks=pytest.mark.slow),
+        pytest.param(1, "adamw8bit", marks=pytest.mark.slow),
+    ],
     ids=lambda v: str(v),
 )
 def test_resume_is_bitwise_identical(tmp_path: Path, world: int, optimizer: str) -> None:
     """Muon's momentum buffers (sharded like their matrices) and its AdamW moments come back
-    exactly too."""
+    exactly too, and so do torchao's 8-bit moments (codes and block scales)."""
     straight = run(resume_config(tmp_path / "straight", world, optimizer), world)
     crashed = run(
         resume_config(tmp_path / "resumed", world, optimizer), world, crash_after=CRASH_AFTER
