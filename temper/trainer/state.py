@@ -9,11 +9,16 @@ import torch
 
 from temper.data.batch import Batch
 from temper.data.loader import BatchLoader
+from temper.data.stream import merge_states
+from temper.parallel.collectives import all_gather_objects
 
 
 class TrainState:
     """Step, tokens seen and the loader's position: a ``Stateful`` that ``Engine.save``
     writes and ``Engine.load`` restores.
+
+    Each data rank holds its own lanes of the stream; saving gathers them all, so the saved
+    position resumes at any data-parallel size (``temper.data.stream``).
 
     ``rollout`` (the micro-batches of the current RL rollout and their metrics) is kept for
     the steps that train on it; it is not checkpointed, so a resume between two updates of
@@ -28,7 +33,7 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "dataloader": self.loader.state_dict(),
+            "dataloader": merge_states(all_gather_objects(self.loader.state_dict())),
             "train_state": {"step": self.step, "tokens_seen": self.tokens_seen},
         }
 

@@ -16,10 +16,10 @@ from temper.checkpoint.convert import dcp_to_hf
 from temper.checkpoint.manager import checkpoint_dir
 from temper.config import Config, load_config, save_config
 from temper.data.batch import Batch
-from temper.data.tasks import build_loader
+from temper.data.loader import build_loader
 from temper.engine import Engine, NonFiniteError
 from temper.objectives import Objective, RolloutObjective, build_objective
-from temper.parallel.collectives import all_reduce_sum, combine_metrics
+from temper.parallel.collectives import all_reduce_sum, combine_metrics, sum_over_data_ranks
 from temper.trainer.console import (
     StopRequest,
     complete_line,
@@ -31,6 +31,7 @@ from temper.trainer.console import (
 )
 from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
 from temper.trainer.state import TrainState
+from temper.trainer.validation import build_validation
 from temper.utils.device import Runtime, init_runtime
 from temper.utils.peak_flops import peak_flops
 
@@ -51,6 +52,7 @@ class Trainer:
         self.grad_accum = engine.dims.grad_accum_steps(config.training)
         self.loader = build_loader(config, engine.tokenizer, engine.dims.dp_rank, engine.dims.dp)
         self.state = TrainState(self.loader)
+        self.validation = build_validation(config, engine, self.objective, self.grad_accum)
         self.state.step = engine.load(self.state) or 0
         self.start_step = self.state.step
         self.metrics = MetricsLogger(
@@ -92,6 +94,8 @@ class Trainer:
                     micro_batches, rollout_metrics = self._next_batches(batches)
                     metrics = self.train_step(micro_batches) | rollout_metrics
                     last = state.step == config.training.steps
+                    if self.validation is not None and self.validation.due(state.step, last):
+                        metrics |= self.validation.run()
                     self._save_and_log(metrics, last)
                     if not last and stop.agreed(engine.device):
                         engine.checkpointer.wait()
@@ -113,7 +117,7 @@ class Trainer:
             self.engine.save(state.step, state, metadata=metadata, wait=last or export)
             if export and self.engine.runtime.is_main:
                 self._say(f"temper: exported {export_hf(self.config, state.step)}")
-        if state.step % self.config.metrics.log_freq == 0 or last:
+        if state.step % self.config.metrics.log_freq == 0 or last or "val_loss" in metrics:
             self._log(metrics)
 
     def _say(self, line: str) -> None:
@@ -153,7 +157,9 @@ class Trainer:
         self.throughput.add_tokens(
             sum(v.numel() for mb in micro_batches for k, v in mb.items() if k.endswith("input_ids"))
         )
-        stats = {f"data_{name}": torch.tensor(float(v)) for name, v in self.loader.stats.items()}
+        copies = engine.runtime.world_size // engine.dims.dp
+        counts = sum_over_data_ranks(self.loader.stats, copies, engine.device)
+        stats = {f"data_{name}": torch.tensor(float(v)) for name, v in counts.items()}
         return {"loss": loss, **metrics, **stats}
 
     def offload_optimizer(self) -> None:
