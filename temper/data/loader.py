@@ -153,7 +153,7 @@ class Sources(NamedTuple):
     sources: list[Source]
     weights: list[float]
     labels: list[str]
-    """Names of their logged counts."""
+    """Names of their logged counts: the file names, made unique with the index."""
     flags: list[str]
     """The flag each comes from, for error messages (``data.sources.1``)."""
 
@@ -192,6 +192,8 @@ def _sources(config: Config, tokenizer: Tokenizer, split: str) -> Sources:
         found.weights.append(entry.weight)
         found.labels.append(entry.name or _label(entry.path))
         found.flags.append(f"{flag} {entry.path}")
+    repeated = {label for label in found.labels if found.labels.count(label) > 1}
+    found.labels[:] = [f"{x}_{i}" if x in repeated else x for i, x in enumerate(found.labels)]
     return found
 
 
