@@ -202,6 +202,11 @@ class Validation:
     out of training and validated on."""
     steps: int = 2
     """Global batches (training.global_batch_size rows each) per validation."""
+    generate: int = 0
+    """sft/prompt data: also answer this many held-out prompts greedily and log the exact
+    match of the answers to the records' as val_exact_match (prompt data: only this)."""
+    max_new_tokens: int = 32
+    """Longest greedy answer of the generation check, in tokens."""
 
 
 @dataclass

@@ -16,9 +16,9 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from temper.config import Config, ConfigError, Data, DataSource, register_rule
-from temper.data.chat import load_chat_template
+from temper.data.chat import check_messages, load_chat_template, render_chat
 from temper.data.preference import PreferenceFormat
-from temper.data.prompts import PromptFormat
+from temper.data.prompts import PromptFormat, record_prompt
 from temper.data.sft import SFTFormat
 from temper.data.sources import RenamedSource, SliceSource, Source, SyntheticSource, open_source
 from temper.data.stream import Format, LaneStream, check_fields
@@ -300,11 +300,45 @@ def check_data_config(config: Config, world_size: int) -> None:
             "validation.fraction holds out records of data.path or data.sources; the built-in "
             "tasks validate on their own held-out split"
         )
-    if validation.interval and data.format == "prompt":
+    if validation.generate < 0 or validation.max_new_tokens < 1:
+        raise ConfigError("validation.generate must be >= 0 and validation.max_new_tokens >= 1")
+    if validation.generate and data.format not in ("sft", "prompt"):
         raise ConfigError(
-            "validation.interval: a prompt-data objective (grpo) has no loss on fixed batches; "
-            "evaluate its rewards with scripts/evaluate.py"
+            f"validation.generate answers held-out prompts of sft or prompt data, not "
+            f"data.format {data.format}"
         )
+    if validation.interval and data.format == "prompt" and not validation.generate:
+        raise ConfigError(
+            "validation.interval: prompt data (grpo) has no loss on fixed batches; set "
+            "validation.generate to check greedy answers to held-out prompts"
+        )
+
+
+def validation_prompts(
+    config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int
+) -> list[tuple[list[int], str]]:
+    """This rank's share of the first ``validation.generate`` held-out records as (rendered
+    prompt ids, reference answer): rank ``r`` takes records ``r, r + dp_world, ...``. An sft
+    record's answer is its last message, which must be the assistant's."""
+    data = config.data
+    template = load_chat_template(data.chat_template, data.tokenizer_path or config.model.hf_path)
+    sources = _sources(config, tokenizer, "validation").sources
+    records = [
+        (source.record(i), source.where(i))
+        for source in sources
+        for i in range(min(config.validation.generate, source.num_records or 0))
+    ][: config.validation.generate]
+    prompts = []
+    for record, where in records[dp_rank::dp_world]:
+        if data.format == "sft":
+            *messages, last = check_messages(record.get("messages"), where)
+            if last["role"] != "assistant" or not messages:
+                raise ValueError(f"{where}: the last message is not an assistant's answer")
+            record = {"prompt": messages, "answer": last["content"]}
+        messages, answer = record_prompt(record, where)
+        text = render_chat(template, messages, True, **tokenizer.special_tokens)
+        prompts.append((tokenizer.encode(text), answer))
+    return prompts
 
 
 def state_records(state: dict[str, Any]) -> list[int]:

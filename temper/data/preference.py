@@ -69,7 +69,7 @@ class PreferenceFormat:
     """Records with ``prompt``, ``chosen`` and ``rejected`` to a pair of samples; a pair stays
     whole: it is kept only if both of its answers are (see the module docstring)."""
 
-    required = ("prompt", "chosen", "rejected")
+    required = (("prompt",), ("chosen",), ("rejected",))
     shuffle = True
 
     def __init__(

@@ -70,7 +70,7 @@ class PromptFormat:
     """Records with ``prompt`` (and ``answer``) to the rendered prompt's ids and its answer;
     a prompt longer than ``width`` is dropped (see the module docstring)."""
 
-    required = ("prompt",)
+    required = (("prompt",),)
     shuffle = True
 
     def __init__(self, tokenizer: Tokenizer, template: str, width: int) -> None:

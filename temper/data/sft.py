@@ -90,7 +90,7 @@ def pad_id(tokenizer: Tokenizer) -> int:
 class SFTFormat:
     """Records with ``messages`` to trainable samples (see the module docstring)."""
 
-    required = ("messages",)
+    required = (("messages",),)
     shuffle = True
 
     def __init__(

@@ -42,8 +42,9 @@ class Packer(Protocol):
 class Format(Protocol):
     """Records to samples (tokens) to rows: one module per format (text, sft, ...)."""
 
-    required: tuple[str, ...]
-    """Fields a record must carry, checked against a source's schema when it has one."""
+    required: tuple[tuple[str, ...], ...]
+    """Fields a record must carry, each as the names any one of which will do, checked
+    against a source's schema when it has one."""
     shuffle: bool
     """Whether a source is read in a seeded permutation per epoch rather than in order."""
 
@@ -61,9 +62,7 @@ def check_fields(source: Source, fmt: Format) -> None:
     """Refuse a source whose schema lacks a field the format reads, before reading a row."""
     if source.fields is None:
         return
-    missing = [f for f in fmt.required if f not in source.fields and f != "text"]
-    if "text" in fmt.required and not {"text", "input_ids"} & set(source.fields):
-        missing.append("text")
+    missing = [names[0] for names in fmt.required if not set(names) & set(source.fields)]
     if missing:
         raise ValueError(
             f"{source.name}: no field {', '.join(map(repr, missing))} (it has "

@@ -18,7 +18,7 @@ from temper.data.tokenizer import Tokenizer
 class TextFormat:
     """Records to documents' tokens (see the module docstring)."""
 
-    required = ("text",)
+    required = (("text", "input_ids"),)
     shuffle = False
     """Documents are read in the files' order, epoch after epoch."""
 

@@ -67,3 +67,46 @@ def test_validation_leaves_training_alone_and_is_the_held_out_mean_loss(tmp_path
             total += float(loss)
             count += int((batch["labels"] != -100).sum())
     assert rows[-1]["val_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_the_generation_check_answers_held_out_prompts(tmp_path: Path) -> None:
+    """SFT on the built-in tasks with validation.generate: the prompts are the eval split's
+    conversations without their answers, and val_exact_match is the exact match of the greedy
+    answers of the final weights, computed here again by hand."""
+    from temper.data.chat import BUILTIN_TEMPLATE, render_chat, stop_token_ids
+    from temper.data.loader import validation_prompts
+    from temper.data.tasks import sft_conversations
+    from temper.generation.evaluate import greedy_answers
+
+    config = Config(
+        job=Job(dump_folder=str(tmp_path)),
+        model=Model(name="llama3", flavor="debug"),
+        training=Training(steps=2, seq_len=48, local_batch_size=2),
+        metrics=Metrics(tensorboard=False),
+        validation=Validation(interval=2, steps=1, generate=6, max_new_tokens=8),
+    )
+    config.data.format = "sft"
+    trainer = Trainer(config, runtime=CPU)
+    trainer.train()
+    row = _rows(tmp_path)[-1]
+    assert {"val_loss", "val_exact_match"} <= row.keys()
+
+    tokenizer = trainer.engine.tokenizer
+    prompts = validation_prompts(config, tokenizer, 0, 1)
+    held_out = sft_conversations(config.training.seed, "eval", 6)
+    assert [answer for _, answer in prompts] == [c[1]["content"] for c in held_out]
+    for (ids, _), conversation in zip(prompts, held_out, strict=True):
+        text = render_chat(BUILTIN_TEMPLATE, conversation[:1], True, **tokenizer.special_tokens)
+        assert ids == tokenizer.encode(text)
+    assert [a for _, a in validation_prompts(config, tokenizer, 1, 2)] == [
+        c[1]["content"] for c in held_out[1::2]
+    ]
+    answers = greedy_answers(
+        trainer.engine.model,
+        [ids for ids, _ in prompts],
+        tokenizer.decode,
+        max_new_tokens=8,
+        stop_tokens=stop_token_ids(tokenizer, BUILTIN_TEMPLATE),
+    )
+    hits = [got.strip() == want.strip() for got, (_, want) in zip(answers, prompts, strict=True)]
+    assert row["val_exact_match"] == pytest.approx(sum(hits) / 6)
