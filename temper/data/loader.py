@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -339,9 +339,3 @@ def validation_prompts(
         text = render_chat(template, messages, True, **tokenizer.special_tokens)
         prompts.append((tokenizer.encode(text), answer))
     return prompts
-
-
-def state_records(state: dict[str, Any]) -> list[int]:
-    """Documents each source has given over all lanes of a merged stream state."""
-    lanes = state["lane"].values()
-    return [sum(lane["taken"][s] for lane in lanes) for s in range(len(state["records"]))]
