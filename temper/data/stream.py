@@ -116,7 +116,14 @@ class Lane:
         return rng.choices(range(len(weights)), weights)[0]
 
     def peek(self) -> Any:
+        dropped = 0
         while self._ahead is None:
+            if dropped > self.stream.records_per_epoch:
+                raise ValueError(
+                    f"{', '.join(s.name for s in self.stream.sources)}: lane {self.index} drew "
+                    f"{dropped} records in a row that the format dropped (over-long for the "
+                    "sequence length, or nothing to train on)"
+                )
             s = self._source()
             source, order = self.stream.sources[s], self.stream.orders[s]
             record = order(self.index + self.taken[s] * self.stream.lanes)
@@ -125,6 +132,7 @@ class Lane:
                 self.draws += 1
                 self.taken[s] += 1
                 self.dropped += 1
+                dropped += 1
                 continue
             self._ahead = s, sample, outcome
         return self._ahead[1]
@@ -194,6 +202,7 @@ class LaneStream:
         self.labels = list(labels or [f"source{i}" for i in range(len(sources))])
         self.lanes = lanes
         self.seed = seed
+        self.records_per_epoch = sum(s.num_records or 1 << 20 for s in sources)
         self.orders = [
             Order(s.num_records, format.shuffle, seed + 7919 * i) for i, s in enumerate(sources)
         ]

@@ -128,3 +128,10 @@ def test_builtin_tasks_hold_out_and_reject_wrongly() -> None:
     import random
 
     assert wrong_answer("1 2 3", random.Random(0)) != "1 2 3"
+
+
+def test_a_stream_that_drops_everything_fails_instead_of_spinning() -> None:
+    long = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b c " * 20}]
+    stream = sft_dataset([long] * 3, load_tokenizer(None), BUILTIN_TEMPLATE, 24, policy="drop")
+    with pytest.raises(ValueError, match="lane 0 drew 4 records in a row that the format dropped"):
+        next(iter(stream))
