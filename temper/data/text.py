@@ -8,8 +8,6 @@ per-document ``position_ids`` and no label crosses a document boundary.
 
 from __future__ import annotations
 
-from typing import Any
-
 from temper.data.packing import TokenPacker
 from temper.data.sources import Record
 from temper.data.tokenizer import Tokenizer
@@ -42,5 +40,5 @@ class TextFormat:
     def tokens(self, sample: list[int]) -> int:
         return len(sample)
 
-    def packer(self) -> Any:
+    def packer(self) -> TokenPacker:
         return TokenPacker(self.seq_len, self.tokenizer.eos_id, self.isolate_documents)
