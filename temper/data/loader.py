@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -47,11 +47,17 @@ class BatchLoader:
     the one the saved run would have produced next.
     """
 
-    def __init__(self, dataset: StatefulDataset, batch_size: int) -> None:
+    def __init__(
+        self,
+        dataset: StatefulDataset,
+        batch_size: int,
+        sum_counts: Callable[[dict[str, int]], dict[str, int]] | None = None,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.dataset = dataset
         self.batch_size = batch_size
+        self.sum_counts = sum_counts
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         rows = iter(self.dataset)
@@ -63,8 +69,10 @@ class BatchLoader:
 
     @property
     def stats(self) -> dict[str, int]:
-        """The dataset's counts (see ``StatefulDataset``)."""
-        return self.dataset.stats
+        """The dataset's counts (see ``StatefulDataset``), summed over the data-parallel ranks
+        by ``sum_counts`` when given (a collective: every rank reads them together)."""
+        stats = self.dataset.stats
+        return stats if self.sum_counts is None else self.sum_counts(stats)
 
     def state_dict(self) -> dict:
         return self.dataset.state_dict()
@@ -227,7 +235,12 @@ def rows_per_step(config: Config, dp_world: int) -> int:
 
 
 def _loader(
-    config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int, split: str
+    config: Config,
+    tokenizer: Tokenizer,
+    dp_rank: int,
+    dp_world: int,
+    split: str,
+    sum_counts: Callable[[dict[str, int]], dict[str, int]] | None = None,
 ) -> BatchLoader:
     sources = _sources(config, tokenizer, split)
     stream = LaneStream(
@@ -240,12 +253,19 @@ def _loader(
         dp_world=dp_world,
         seed=config.training.seed,
     )
-    return BatchLoader(stream, config.training.local_batch_size)
+    return BatchLoader(stream, config.training.local_batch_size, sum_counts)
 
 
-def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int) -> BatchLoader:
-    """This data rank's training batches (see ``temper.data.stream``)."""
-    return _loader(config, tokenizer, dp_rank, dp_world, "train")
+def build_loader(
+    config: Config,
+    tokenizer: Tokenizer,
+    dp_rank: int,
+    dp_world: int,
+    sum_counts: Callable[[dict[str, int]], dict[str, int]] | None = None,
+) -> BatchLoader:
+    """This data rank's training batches (see ``temper.data.stream``); ``sum_counts`` makes
+    its logged counts the whole group's (``BatchLoader.stats``)."""
+    return _loader(config, tokenizer, dp_rank, dp_world, "train", sum_counts)
 
 
 def build_validation_loader(

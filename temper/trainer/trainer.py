@@ -8,6 +8,7 @@ import shlex
 import shutil
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,7 +51,11 @@ class Trainer:
         self.engine = engine = Engine(config, runtime)
         self.objective: Objective = build_objective(config, engine.build_reference)
         self.grad_accum = engine.dims.grad_accum_steps(config.training)
-        self.loader = build_loader(config, engine.tokenizer, engine.dims.dp_rank, engine.dims.dp)
+        copies = runtime.world_size // engine.dims.dp  # ranks holding each data rank's lanes
+        sum_counts = partial(sum_over_data_ranks, copies=copies, device=engine.device)
+        self.loader = build_loader(
+            config, engine.tokenizer, engine.dims.dp_rank, engine.dims.dp, sum_counts
+        )
         self.state = TrainState(self.loader)
         self.validation = build_validation(config, engine, self.objective, self.grad_accum)
         self.state.step = engine.load(self.state) or 0
@@ -117,7 +122,8 @@ class Trainer:
             self.engine.save(state.step, state, metadata=metadata, wait=last or export)
             if export and self.engine.runtime.is_main:
                 self._say(f"temper: exported {export_hf(self.config, state.step)}")
-        if state.step % self.config.metrics.log_freq == 0 or last or "val_loss" in metrics:
+        validated = any(name.startswith("val_") for name in metrics)
+        if state.step % self.config.metrics.log_freq == 0 or last or validated:
             self._log(metrics)
 
     def _say(self, line: str) -> None:
@@ -157,9 +163,7 @@ class Trainer:
         self.throughput.add_tokens(
             sum(v.numel() for mb in micro_batches for k, v in mb.items() if k.endswith("input_ids"))
         )
-        copies = engine.runtime.world_size // engine.dims.dp
-        counts = sum_over_data_ranks(self.loader.stats, copies, engine.device)
-        stats = {f"data_{name}": torch.tensor(float(v)) for name, v in counts.items()}
+        stats = {f"data_{name}": torch.tensor(float(v)) for name, v in self.loader.stats.items()}
         return {"loss": loss, **metrics, **stats}
 
     def offload_optimizer(self) -> None:
