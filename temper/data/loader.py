@@ -301,13 +301,7 @@ def is_image_data(data: Data) -> bool:
     parts (list contents)."""
     if data.format != "sft":
         return False
-    if data.path is None:
-        return data.builtin_images
-    # A missing or malformed file is not taken for image data: the source check names it.
-    try:
-        return Path(data.path).is_file() and has_image_parts(data.path)
-    except ValueError:
-        return False
+    return data.builtin_images if data.path is None else has_image_parts(data.path)
 
 
 def build_validation_loader(
