@@ -64,12 +64,18 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 
 
 def _keep_matmul_outputs() -> tuple[Any, Any]:
-    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls)
-    return forward, _recomputation(recompute)
+    return _keeping_routing(*create_selective_checkpoint_contexts(_save_matmuls))
 
 
 def _full() -> tuple[Any, Any]:
-    forward, recompute = noop_context_fn()
+    return _keeping_routing(*noop_context_fn())
+
+
+def _keeping_routing(forward: Any, recompute: Any) -> tuple[Any, Any]:
+    """The contexts, the recomputation also keeping the forward's routing statistics; under
+    torch.compile, which takes only its own dispatch modes here, the contexts as they are."""
+    if torch.compiler.is_compiling():
+        return forward, recompute
     return forward, _recomputation(recompute)
 
 
