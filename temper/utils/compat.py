@@ -127,7 +127,11 @@ def restore_fsdp_reshard_states(unit: FSDPModule, states: list[Any]) -> None:
 
 
 def _param_groups(unit: FSDPModule) -> list[Any]:
-    return list(unit._get_fsdp_state()._fsdp_param_groups)
+    state = unit._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):  # 2.13: a list of groups
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group  # 2.11: one group or None
+    return [] if group is None else [group]
 
 
 __all__ = [
