@@ -56,7 +56,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     """Seed every RNG the run touches; optionally forbid nondeterministic kernels."""
     random.seed(seed)
     torch.manual_seed(seed)
+    # Set either way: a process that ran a deterministic run before runs this one as asked.
+    torch.use_deterministic_algorithms(deterministic)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False

@@ -29,7 +29,7 @@ def test_the_arithmetic_example_trains_on_its_records_and_reward(tmp_path: Path)
     ]  # fmt: skip
     trainer = Trainer(load_config("examples.grpo_arithmetic", "arithmetic", argv))
     objective = trainer.objective
-    reward = objective.rewards["arithmetic_closeness"]
+    reward = objective.sampler.rewards["arithmetic_closeness"]
     calls: list[tuple[str, dict, float]] = []
     rollouts = []
 
@@ -41,7 +41,7 @@ def test_the_arithmetic_example_trains_on_its_records_and_reward(tmp_path: Path)
         rollouts.append(prepare_rollout(*args))
         return rollouts[-1]
 
-    objective.rewards["arithmetic_closeness"] = spy
+    objective.sampler.rewards["arithmetic_closeness"] = spy
     prepare_rollout, objective.prepare = objective.prepare, prepare
     trainer.train()
 
