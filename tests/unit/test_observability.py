@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -87,27 +85,6 @@ def test_disabled_timer_keeps_only_the_ranges(script: Script) -> None:
         script.now += 1.0
     timer.step_done()
     assert timer.summary() == {}
-
-
-def test_real_cpu_peak_sees_a_phases_allocation() -> None:
-    """In a fresh process (a long-lived one may serve the allocation from pages it already
-    holds, which no resident-set peak sees): a phase that touches 64 MiB peaks above one
-    that allocates nothing."""
-    code = (
-        "import torch\n"
-        "from temper.trainer.phases import PhaseTimer\n"
-        "timer = PhaseTimer(torch.device('cpu'))\n"
-        "with timer('forward'):\n"
-        "    big = torch.ones(64 * 2**20 // 4)\n"
-        "    del big\n"
-        "timer.step_done()\n"
-        "with timer('backward'):\n"
-        "    pass\n"
-        "s = timer.summary()\n"
-        "print(s['mem_forward_gib'] - s['mem_backward_gib'])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert float(out.stdout.split()[-1]) > 0.05
 
 
 def test_trace_written_for_the_chosen_step_only(tmp_path) -> None:
