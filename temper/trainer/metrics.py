@@ -104,7 +104,21 @@ def peak_memory_gib(device: torch.device) -> float:
     ``temper.trainer.phases.reset_peak``): allocator peak on CUDA, max resident set on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    # ru_maxrss is in KiB on Linux.
+    return resident_peak_gib()
+
+
+_STATUS = Path("/proc/self/status")
+
+
+def resident_peak_gib() -> float:
+    """The resident set's high-water mark: Linux's ``VmHWM``, which is this process's own.
+    ``ru_maxrss`` is not: a process started by fork and exec inherits its parent's resident
+    set there (a trainer started from a large test process reads the parent's size), and
+    resetting the mark leaves it. Elsewhere (no /proc), ``ru_maxrss``, in KiB on Linux."""
+    if _STATUS.exists():
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 

@@ -98,8 +98,8 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 def reset_peak(device: torch.device) -> None:
     """Start a new peak: the allocator's on CUDA; on Linux the resident set's high-water mark
-    (writing 5 to clear_refs, which ``ru_maxrss`` follows); where that is refused the CPU peak
-    stays the run's."""
+    (writing 5 to clear_refs resets ``VmHWM`` to the current resident set); where that is
+    refused the CPU peak stays the run's."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return

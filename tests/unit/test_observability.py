@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -85,6 +87,30 @@ def test_disabled_timer_keeps_only_the_ranges(script: Script) -> None:
         script.now += 1.0
     timer.step_done()
     assert timer.summary() == {}
+
+
+def test_real_cpu_peak_sees_a_phases_allocation() -> None:
+    """A trainer process started from a large one (a launcher, or this test process late in
+    a suite) measures its own peaks: a phase that touches 64 MiB peaks 64 MiB above one that
+    allocates nothing. The parent holds 512 MiB: ``ru_maxrss``, which a fork-and-exec child
+    inherits, read the parent's size for both phases (0 apart); ``VmHWM`` does not."""
+    ballast = torch.ones(512 * 2**20 // 4)  # resident in this process when the child starts
+    code = (
+        "import torch\n"
+        "from temper.trainer.phases import PhaseTimer\n"
+        "timer = PhaseTimer(torch.device('cpu'))\n"
+        "with timer('forward'):\n"
+        "    big = torch.ones(64 * 2**20 // 4)\n"
+        "    del big\n"
+        "timer.step_done()\n"
+        "with timer('backward'):\n"
+        "    pass\n"
+        "s = timer.summary()\n"
+        "print(s['mem_forward_gib'] - s['mem_backward_gib'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert ballast[-1].item() == 1.0
+    assert 0.055 < float(out.stdout.split()[-1]) < 0.08  # 64 MiB = 0.0625 GiB
 
 
 def test_trace_written_for_the_chosen_step_only(tmp_path) -> None:
