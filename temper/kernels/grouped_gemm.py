@@ -13,6 +13,7 @@ import functools
 import torch
 
 from temper.utils.compat import grouped_mm as torch_grouped_mm
+from temper.utils.compat import outside_dispatch_modes
 
 _ALIGN_BYTES = 16
 """torch._grouped_mm needs 16-byte aligned data pointers and leading strides (CPU too)."""
@@ -85,13 +86,17 @@ def _fast_path_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 @functools.cache
 def _cpu_kernel_exists(dtype: torch.dtype) -> bool:
-    """Builds without the op's CPU kernel declare it all the same: ask once."""
+    """Builds without the op's CPU kernel declare it all the same: ask once, past any
+    dispatch mode, since the first ask can come inside a selectively checkpointed block,
+    whose recomputation (the answer cached) would otherwise find one grouped GEMM fewer
+    than its forward saved, and take each saved output for the one before it."""
     try:
-        torch_grouped_mm(
-            torch.ones(8, 8, dtype=dtype),
-            torch.ones(1, 8, 8, dtype=dtype),
-            offs=torch.tensor([8], dtype=torch.int32),
-        )
+        with outside_dispatch_modes():
+            torch_grouped_mm(
+                torch.ones(8, 8, dtype=dtype),
+                torch.ones(1, 8, 8, dtype=dtype),
+                offs=torch.tensor([8], dtype=torch.int32),
+            )
     except (RuntimeError, NotImplementedError):
         return False
     return True

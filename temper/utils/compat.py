@@ -45,6 +45,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 from torch.serialization import _get_layout as layout_by_name
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes
+
+# ``outside_dispatch_modes()``: a context that runs ops past every active dispatch mode (a
+# one-off probe that must not count as one of a checkpointed region's ops). Checked: 2.11,
+# 2.13. No public equivalent.
 
 grouped_mm = torch._grouped_mm
 """Grouped GEMM over expert groups (``offs``); CUDA SM80+ bf16, and CPU fp32/bf16 in 2.13.
@@ -151,6 +156,7 @@ __all__ = [
     "fsdp_reshard_states",
     "grouped_mm",
     "layout_by_name",
+    "outside_dispatch_modes",
     "init_fake_process_group",
     "record_memory_history",
     "restore_fsdp_reshard_states",

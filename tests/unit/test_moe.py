@@ -231,3 +231,25 @@ def test_checkpoint_recomputation_keeps_the_forwards_routing(mode) -> None:
     (out.sum() + first.prob_sum.sum()).backward()
     assert block.moe.routing is first
     assert x.grad is not None and block.moe.router.gate.weight.grad is not None
+
+
+def test_selective_checkpointing_with_a_cold_grouped_gemm_probe() -> None:
+    """The first grouped GEMM of a process asks once whether the CPU kernel exists; asked
+    inside a selectively checkpointed block, the probe counted as one of the block's saved
+    grouped GEMMs, so the recomputation took each saved output for the one before it (a
+    shape error on CPU). Gradients equal the unchecked block's."""
+    from temper.kernels import grouped_gemm
+    from temper.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    plain, checked = _MoEBlock(), _MoEBlock()
+    checked.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing([checked], "selective")
+    x = torch.randn(2, 8, 16)
+    grads = []
+    for block in (plain, checked):
+        grouped_gemm._cpu_kernel_exists.cache_clear()
+        block(x).square().sum().backward()
+        grads.append([p.grad for p in block.parameters()])
+    for want, got in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
