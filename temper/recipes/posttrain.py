@@ -11,6 +11,7 @@ margin of the trained policy against its reference.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,6 +110,35 @@ def grpo_debug() -> Config:
             initial_recipe=(
                 "temper.recipes.posttrain:sft_debug"
                 " --training.steps 300 --training.local_batch_size 16"
+            )
+        ),
+    )
+
+
+def grpo_moe_debug() -> Config:
+    """GRPO on the Qwen3-MoE debug model, for RL on expert and sequence parallel layouts.
+
+    Every weight trains (the routed experts too), from a 30-step SFT start of the same model,
+    rewarded with partial credit (``item_match``) and the answer form, which that start earns.
+    ``NGPU=4 ... --parallelism.ep 2`` or ``--parallelism.sp 2`` give one process's rollouts and
+    losses at the same global batch (``--training.local_batch_size`` times the data-parallel
+    ranks; docs/post-training.md)."""
+    return replace(
+        grpo_debug(),
+        job=Job(dump_folder="./outputs/grpo_moe_debug"),
+        model=Model(name="qwen3_moe", flavor="debug"),
+        optimizer=Optimizer(lr=1e-4, weight_decay=0.0),
+        objective=GRPOConfig(
+            group_size=8,
+            max_new_tokens=16,
+            temperature=1.0,
+            rewards=["item_match", "format"],
+        ),
+        lora=LoRA(),
+        checkpoint=Checkpoint(
+            initial_recipe=(
+                "temper.recipes.posttrain:sft_debug --model.name qwen3_moe"
+                " --training.steps 30 --training.local_batch_size 16"
             )
         ),
     )
