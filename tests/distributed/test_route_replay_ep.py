@@ -123,7 +123,7 @@ def _replay_on_rank(config: Config) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("sp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["ep2", "sp2_ep2"])
+@pytest.mark.parametrize("sp", [1, 2], ids=["ep2", "sp2_ep2"])
 def test_router_replay_under_expert_parallelism_keeps_tied_tokens_on_their_sampled_experts(
     tmp_path: Path, sp: int
 ) -> None:
