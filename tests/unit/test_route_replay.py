@@ -29,8 +29,10 @@ from temper.models.layers.route_replay import (
 from temper.models.registry import build_model
 from temper.objectives import GRPO, micro_batch_scope
 from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.dynamic_sampling import fill_rollout
 from temper.objectives.rewards import exact_match
 from temper.parallel.activation_checkpoint import apply_activation_checkpointing
+from temper.parallel.ulysses import shard_batch
 from temper.recipes.posttrain import grpo_debug
 
 TINY_MOE = {
@@ -224,6 +226,35 @@ def test_activation_checkpoint_recomputation_replays_the_routes() -> None:
     # computation than the one saved, which torch's checkpoint refuses.
     with pytest.raises(CheckpointError):
         grads(scoped=False)
+
+
+def test_routes_travel_with_the_rows_through_sp_slicing_and_dynamic_sampling() -> None:
+    """A [b, s, layers, k] field is padded and sliced along s as the tokens are: by
+    ``shard_batch`` (SP) and by dynamic sampling's join of rollouts of different widths."""
+    routes = torch.arange(2 * 5 * 3 * 2, dtype=torch.int16).view(2, 5, 3, 2)
+    ids = torch.arange(10).view(2, 5)
+    batch = {"input_ids": ids, "labels": ids.clone(), ROUTES: routes}
+    shards = [shard_batch(batch, rank, 2) for rank in range(2)]
+    assert torch.equal(torch.cat([s[ROUTES] for s in shards], dim=1)[:, :5], routes)
+    assert not shards[1][ROUTES][:, -1].any()  # the padding position
+
+    def sample(prompts: dict, generator: torch.Generator) -> tuple[dict, dict[str, float]]:
+        """Two groups of 2 rows ``width`` wide; only the first has signal."""
+        width = int(prompts["prompt_ids"][0, 0])
+        ids = torch.arange(4 * width).view(4, width)
+        advantages = torch.tensor([1.0, -1.0, 0.0, 0.0])
+        wide = torch.cat([routes, routes])[:, :width] + width
+        return {"input_ids": ids, "labels": ids.clone(), "advantages": advantages, ROUTES: wide}, {}
+
+    prompts = [{"prompt_ids": torch.full((2, 1), w)} for w in (3, 5)]
+    draws = iter(prompts[1:])
+    joined, _ = fill_rollout(
+        sample, prompts[0], lambda: next(draws), lambda d: torch.Generator(), 2, 2
+    )
+    assert joined[ROUTES].shape == (4, 5, 3, 2)
+    assert torch.equal(joined[ROUTES][:2, :3], routes[:, :3] + 3)
+    assert not joined[ROUTES][:2, 3:].any()
+    assert torch.equal(joined[ROUTES][2:], routes + 5)
 
 
 @pytest.mark.slow
