@@ -265,7 +265,7 @@ def rollout_routes(
     ``rollout_rows`` lays out the tokens: [b, width, moe_layers, top_k] in ``ROUTE_DTYPE``.
     Each fed token keeps the experts that routed it when it was fed; padding gets experts
     0..top_k-1 (any valid route: it is never trained on)."""
-    b, total, n_layers, k = columns.shape
+    b, _, n_layers, k = columns.shape
     prompt_width = max(p.numel() for p in prompts)
     fill = torch.arange(k, dtype=ROUTE_DTYPE, device=columns.device)
     routes = fill.expand(b, width, n_layers, k).clone()
