@@ -1,7 +1,7 @@
 """Router replay: a replayed MoE forward against one computed by hand with those routes, the
 rollout's recorded routes against the sampling forwards' own, ties that flip between the
-sampler's and the trainer's forwards, the activation-checkpoint recomputation, a run resumed
-mid-rollout and the config's refusals."""
+sampler's and the trainer's forwards, the activation-checkpoint recomputation, the
+checkpointed rollout buffer and the config's refusals."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointError
 
@@ -34,6 +35,7 @@ from temper.objectives.rewards import exact_match
 from temper.parallel.activation_checkpoint import apply_activation_checkpointing
 from temper.parallel.ulysses import shard_batch
 from temper.recipes.posttrain import grpo_debug
+from temper.trainer.rollout_buffer import restore_rollout, rollout_state
 
 TINY_MOE = {
     "dim": 64,
@@ -257,39 +259,22 @@ def test_routes_travel_with_the_rows_through_sp_slicing_and_dynamic_sampling() -
     assert torch.equal(joined[ROUTES][2:], routes + 5)
 
 
-@pytest.mark.slow
-def test_a_run_resumed_mid_rollout_replays_the_checkpointed_routes(tmp_path: Path) -> None:
-    """Train one step of a rollout's two (replayed, through the trainer's micro-batch scope)
-    and checkpoint; a resumed Trainer loads the rollout, routes included, into the template
-    its objective builds for the model, and gets back what the first run held."""
-    from temper.trainer import Trainer
-
-    config = grpo_debug()
-    config.job.dump_folder = str(tmp_path)
-    config.model.name = "qwen3_moe"
-    config.checkpoint.initial_recipe = None
-    config.checkpoint.enable = True
-    config.checkpoint.interval = 1
-    config.lora.enable = False
-    config.metrics.tensorboard = False
-    config.training.steps = 1
-    config.training.seq_len = 32
-    config.training.local_batch_size = 1
-    config.training.global_batch_size = 1
-    config.objective.group_size = 2
-    config.objective.max_new_tokens = 6
-    config.objective.updates_per_rollout = 2
-    config.objective.router_replay = True
-    first = Trainer(config)
-    first.train()
-    (held,), _ = first.state.rollout
-    assert held[ROUTES].shape[:2] == held["input_ids"].shape
-    config.training.steps = 2
-    resumed = Trainer(config)
-    assert resumed.state.step == 1
-    (restored,), _ = resumed.state.rollout
+def test_routes_survive_a_checkpoint_of_the_rollout_buffer(tmp_path: Path) -> None:
+    """The rollout buffer's state saved with DCP and loaded into the template the objective
+    builds for this model gives the routes back, at their own width."""
+    model = _model(tie=False)
+    objective = _objective()
+    batch, _ = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
+    width = 32
+    dcp.save(
+        {"rollout": rollout_state([batch], {"reward_mean": 0.5}, width)}, checkpoint_id=tmp_path
+    )
+    template = {"rollout": rollout_state([objective.empty_rollout(model, 2, width)], None, width)}
+    template["rollout"]["metrics"] = {"reward_mean": 0.0}
+    dcp.load(template, checkpoint_id=tmp_path)
+    (restored,), _ = restore_rollout(template["rollout"])
     assert restored[ROUTES].dtype == torch.int16
-    for key, value in held.items():
+    for key, value in batch.items():
         assert torch.equal(restored[key], value), key
 
 
