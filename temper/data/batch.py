@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 
@@ -58,3 +59,9 @@ MODEL_INPUT_KEYS = (*MEDIA_KEYS, FUSION_INPUT_IDS)
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     """The keyword inputs of ``batch`` beyond the tokens (``MODEL_INPUT_KEYS``; none for text)."""
     return {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}  # type: ignore[misc]
+
+
+def pad_tokens(t: torch.Tensor, pad: int, value: float = 0) -> torch.Tensor:
+    """A per-token field [b, s, ...] right-padded by ``pad`` positions along s (its trailing
+    dims, a rollout's routes [b, s, layers, k], kept as they are)."""
+    return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad), value=value)

@@ -3,9 +3,12 @@ ranks. A family whose layers split differently states its own rule in its ModelS
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from temper.config import Config, ConfigError, Parallelism, register_rule
+
+if TYPE_CHECKING:
+    from temper.models.registry import ModelSpec
 
 
 def check_heads(n_heads: int, n_kv_heads: int, sp: int) -> None:
@@ -71,6 +74,21 @@ def check_hybrid_layout(args: Any, parallelism: Parallelism) -> None:
 def check_model(config: Config, world_size: int) -> None:
     """``model.*`` names a registered family and flavor (or a readable HF folder), and the
     parallel layout fits its sizes."""
+    spec, args, source = model_args(config)
+    if config.training.seq_len < config.parallelism.sp:
+        raise ConfigError(
+            f"training.seq_len ({config.training.seq_len}) must be at least parallelism.sp "
+            f"({config.parallelism.sp}): every SP rank holds a slice of each sequence"
+        )
+    try:
+        spec.check_layout(args, config.parallelism)
+    except ConfigError as error:
+        raise ConfigError(f"{error} ({source})") from None
+
+
+def model_args(config: Config) -> tuple[ModelSpec, Any, str]:
+    """The family, the args and a name for them (the HF folder or family/flavor) that
+    ``model.*`` selects; ConfigError naming the field otherwise."""
     from temper.models.hf import read_hf_args
     from temper.models.registry import get_model_spec, model_names, replace_args
 
@@ -95,16 +113,8 @@ def check_model(config: Config, world_size: int) -> None:
             )
         spec, args = get_model_spec(model.name), flavors[model.flavor]
         source = f"{model.name}/{model.flavor}"
-    if config.training.seq_len < config.parallelism.sp:
-        raise ConfigError(
-            f"training.seq_len ({config.training.seq_len}) must be at least parallelism.sp "
-            f"({config.parallelism.sp}): every SP rank holds a slice of each sequence"
-        )
     try:
         args = replace_args(spec.name, args, model.arg_overrides())
     except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from err
-    try:
-        spec.check_layout(args, config.parallelism)
-    except ConfigError as error:
-        raise ConfigError(f"{error} ({source})") from None
+    return spec, args, source

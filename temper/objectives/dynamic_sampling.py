@@ -21,9 +21,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from temper.data.batch import IGNORE_INDEX, Batch
+from temper.data.batch import IGNORE_INDEX, Batch, pad_tokens
 
 Rollout = tuple[Batch, dict[str, float]]
 
@@ -92,9 +91,9 @@ def _concat(groups: list[Batch]) -> Batch:
     batch = {}
     for key in groups[0]:
         parts = [group[key] for group in groups]
-        if parts[0].dim() == 2:
+        if parts[0].dim() >= 2:
             width = max(p.shape[1] for p in parts)
             fill = IGNORE_INDEX if key == "labels" else 0
-            parts = [F.pad(p, (0, width - p.shape[1]), value=fill) for p in parts]
+            parts = [pad_tokens(p, width - p.shape[1], fill) for p in parts]
         batch[key] = torch.cat(parts)
     return batch

@@ -17,12 +17,15 @@ GSPO or Dr. GRPO (``temper.objectives.policy_loss``, with asymmetric clipping an
 importance sampling); DAPO's dynamic sampling is ``temper.objectives.dynamic_sampling``.
 Rewards get each prompt's whole record (``temper.objectives.rewards``). The same rollout serves
 ``updates_per_rollout`` optimizer steps; the first is on-policy (ratio 1), later ones are
-held near the sampling policy by the clip.
+held near the sampling policy by the clip. With ``router_replay`` (MoE) every forward of a
+rollout's tokens routes them to the experts that sampled them
+(``temper.models.layers.route_replay``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -36,6 +39,8 @@ from temper.data.batch import IGNORE_INDEX, SEQUENCE_SHARD, Batch
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.generation.sampling import check_sampling
+from temper.models.fit import model_args
+from temper.models.layers.route_replay import ROUTES, replaying_routes
 from temper.objectives.causal_lm import documents, label_log_probs
 from temper.objectives.policy_loss import LossName, PolicyLoss
 from temper.objectives.registry import (
@@ -106,6 +111,10 @@ class GRPOConfig(ObjectiveConfig):
     """Weight of the k3 KL estimate to the reference model; 0 builds no reference."""
     updates_per_rollout: int = 1
     """Optimizer steps taken on each rollout batch (the first one is on-policy)."""
+    router_replay: bool = False
+    """MoE only: record the experts each sampled token was routed to and route it so in the
+    old log-probs' and every training forward of that rollout (R3); see
+    docs/post-training.md."""
 
     data_formats: ClassVar[tuple[str, ...]] = ("prompt",)
 
@@ -162,6 +171,8 @@ class GRPOConfig(ObjectiveConfig):
                 "dr_grpo with sequence parallelism"
             )
         check_positive(config, "objective.dynamic_sampling_draws")
+        if self.router_replay:
+            _check_router_replay(config)
         if self.accuracy_reward not in reward_names():
             raise ConfigError(
                 f"objective.accuracy_reward: {self.accuracy_reward!r} not registered; choose "
@@ -199,7 +210,23 @@ class GRPOConfig(ObjectiveConfig):
             accuracy=get_reward(self.accuracy_reward),
             sampling_draws=self.dynamic_sampling_draws if self.dynamic_sampling else 1,
             compile_rollouts=self.compile_rollouts,
+            router_replay=self.router_replay,
             **(reference_policy(config, build_reference) if self.kl_coef else {}),
+        )
+
+
+def _check_router_replay(config: Config) -> None:
+    """Router replay needs routed experts and the eager decode step, which records them."""
+    _, args, source = model_args(config)
+    if not getattr(args, "n_experts", 0):  # 0 or absent: a dense model (see check_model)
+        raise ConfigError(
+            f"objective.router_replay needs a mixture-of-experts model; {source} has no "
+            "routed experts"
+        )
+    if config.objective.compile_rollouts:
+        raise ConfigError(
+            "objective.router_replay with objective.compile_rollouts: the compiled decode "
+            "step does not record routes; turn one off"
         )
 
 
@@ -229,6 +256,7 @@ class GRPO:
         accuracy: Reward = exact_match,
         sampling_draws: int = 1,
         compile_rollouts: bool = False,
+        router_replay: bool = False,
     ) -> None:
         self.policy_loss = policy_loss or PolicyLoss(
             clip_low=clip_eps, clip_high=clip_eps, max_new_tokens=max_new_tokens
@@ -251,6 +279,7 @@ class GRPO:
             overlong=overlong,
             keep_sampler_log_probs=self.policy_loss.tis_cap is not None,
             compile=compile_rollouts,
+            router_replay=router_replay,
         )
         self.group_size = group_size
         self.loss_temperature = self.sampler.loss_temperature
@@ -275,22 +304,28 @@ class GRPO:
         batch = rollout.batch | {"advantages": advantages.to(rollout.batch["input_ids"].device)}
         return batch, rollout.metrics
 
-    def empty_rollout(self, prompts: int, width: int) -> Batch:
+    def empty_rollout(self, model: nn.Module, prompts: int, width: int) -> Batch:
         rows = prompts * self.group_size
-        return self.sampler.empty_rollout(rows, width) | {"advantages": torch.zeros(rows)}
+        return self.sampler.empty_rollout(model, rows, width) | {"advantages": torch.zeros(rows)}
+
+    def micro_batch_scope(self, model: nn.Module, batch: Batch) -> AbstractContextManager[None]:
+        """The rollout's routes replayed over a micro-batch's forward and backward (whose
+        activation-checkpoint recomputation routes again); nothing without router replay."""
+        return replaying_routes(model, batch.get(ROUTES))
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         labels = batch["labels"]
         completion = labels != IGNORE_INDEX
-        log_probs = label_log_probs(
-            model,
-            batch["input_ids"],
-            labels,
-            batch.get("position_ids"),
-            documents(batch),
-            temperature=self.loss_temperature,
-            shard=batch.get(SEQUENCE_SHARD),
-        )
+        with self.micro_batch_scope(model, batch):
+            log_probs = label_log_probs(
+                model,
+                batch["input_ids"],
+                labels,
+                batch.get("position_ids"),
+                documents(batch),
+                temperature=self.loss_temperature,
+                shard=batch.get(SEQUENCE_SHARD),
+            )
         loss, metrics = self.policy_loss(
             log_probs,
             batch["old_log_probs"],

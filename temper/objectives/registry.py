@@ -61,10 +61,29 @@ class RolloutObjective(Objective, Protocol):
         self, model: nn.Module, prompts: Batch, generator: torch.Generator
     ) -> tuple[Batch, dict[str, float]]: ...
 
-    def empty_rollout(self, prompts: int, width: int) -> Batch:
-        """Zeros shaped like ``prepare``'s batch for ``prompts`` prompts, its rows ``width``
-        wide: what a checkpoint taken mid-rollout is loaded into."""
+    def empty_rollout(self, model: nn.Module, prompts: int, width: int) -> Batch:
+        """Zeros shaped like ``prepare``'s batch of ``model`` for ``prompts`` prompts, its rows
+        ``width`` wide: what a checkpoint taken mid-rollout is loaded into."""
         ...
+
+
+@runtime_checkable
+class MicroBatchScope(Protocol):
+    """An objective whose micro-batch needs a context around both its forward and its
+    backward (router replay: the backward's activation recomputation routes again)."""
+
+    def micro_batch_scope(
+        self, model: nn.Module, batch: Batch
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+
+def micro_batch_scope(
+    objective: Objective, model: nn.Module, batch: Batch
+) -> contextlib.AbstractContextManager[None]:
+    """The context a loop runs a micro-batch's forward and backward in."""
+    if isinstance(objective, MicroBatchScope):
+        return objective.micro_batch_scope(model, batch)
+    return contextlib.nullcontext()
 
 
 ReferenceMode = Callable[[nn.Module], contextlib.AbstractContextManager[None]]

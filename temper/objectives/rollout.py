@@ -15,11 +15,17 @@ decoding steps until every rank of ``lockstep_group`` is done (expert parallelis
 all-to-alls pair up token for token), one forward for the old log-probabilities, one for the
 reference, and entropy chunks sized from the widest row over all ranks. So collectives inside
 the model (an all-to-all, a forward outside the gathered region) always pair up.
+
+With ``router_replay`` (MoE) the decoding forwards record each token's experts; the rows'
+``routes`` are replayed in the old log-probabilities' and the entropy's forwards, and the
+loss replays them in training (``temper.models.layers.route_replay``). The reference routes
+as its own router chooses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,14 @@ from temper.data.batch import IGNORE_INDEX, Batch
 from temper.data.prompts import decode_record
 from temper.data.tokenizer import Tokenizer
 from temper.generation import gathered_weights, generate
+from temper.models.layers.route_replay import (
+    ROUTE_DTYPE,
+    ROUTES,
+    recording_routes,
+    replaying_routes,
+    routed_layers,
+    stacked,
+)
 from temper.objectives.causal_lm import label_log_probs
 from temper.objectives.policy_loss import overlong_penalty
 from temper.objectives.registry import ReferenceMode
@@ -48,7 +62,8 @@ class Rollout:
 
     batch: Batch
     """``input_ids``, ``labels``, ``old_log_probs`` and, with a reference, ``ref_log_probs``;
-    with ``keep_sampler_log_probs``, the sampler's own ``sampler_log_probs``."""
+    with ``keep_sampler_log_probs``, the sampler's own ``sampler_log_probs``; with
+    ``router_replay``, the sampled tokens' ``routes`` [rows, width, moe_layers, top_k]."""
     rewards: torch.Tensor
     """[rows] fp32 on CPU: each completion's weighted reward sum, with the overlong
     punishment."""
@@ -78,6 +93,7 @@ class RolloutSampler:
         overlong: tuple[int, float] = (0, 1.0),
         keep_sampler_log_probs: bool = False,
         compile: bool = False,
+        router_replay: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
@@ -102,6 +118,8 @@ class RolloutSampler:
         """Hand the loss the sampler's log-probs (truncated importance sampling)."""
         self.compile = compile
         """Decode with the compiled static-cache step (``generate(compile=True)``)."""
+        self.router_replay = router_replay
+        """Record the experts that sampled each token and replay them (module docstring)."""
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, prompts: Batch, generator: torch.Generator) -> Rollout:
@@ -110,25 +128,33 @@ class RolloutSampler:
         rows = [row for row in rows for _ in range(self.group_size)]
         was_training = model.training
         model.eval()
+        recording = recording_routes(model) if self.router_replay else nullcontext()
         with gathered_weights(model), whole_sequences(model):
-            out = generate(
-                model,
-                rows,
-                self.max_new_tokens,
-                self.temperature,
-                top_k=self.top_k,
-                top_p=self.top_p,
-                stop_tokens=self.stop_tokens,
-                generator=generator,
-                return_log_probs=True,
-                lockstep_group=self.lockstep_group,
-                compile=self.compile,
-            )
+            with recording as record:
+                out = generate(
+                    model,
+                    rows,
+                    self.max_new_tokens,
+                    self.temperature,
+                    top_k=self.top_k,
+                    top_p=self.top_p,
+                    stop_tokens=self.stop_tokens,
+                    generator=generator,
+                    return_log_probs=True,
+                    lockstep_group=self.lockstep_group,
+                    compile=self.compile,
+                )
             model.train(was_training)  # scored in the mode the loss runs in
             input_ids, labels = rollout_rows(rows, out.tokens, out.lengths)
-            old = label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
-            entropy = policy_entropy(model, input_ids, self.loss_temperature)
+            routes = None
+            if record is not None:
+                routes = rollout_routes(stacked(record), rows, out.lengths, input_ids.shape[1])
+            with replaying_routes(model, routes):
+                old = label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
+            entropy = policy_entropy(model, input_ids, self.loss_temperature, routes)
             batch = {"input_ids": input_ids, "labels": labels, "old_log_probs": old}
+            if routes is not None:
+                batch[ROUTES] = routes
             if self.with_reference:
                 batch["ref_log_probs"] = self._reference_log_probs(model, input_ids, labels)
 
@@ -153,10 +179,14 @@ class RolloutSampler:
         metrics |= rollout_signal_metrics(rewards, self.group_size, sampler, old, completion)
         return Rollout(batch, rewards, metrics)
 
-    def empty_rollout(self, rows: int, width: int) -> Batch:
-        """Zeros shaped like a rollout's batch of ``rows`` rows ``width`` wide."""
+    def empty_rollout(self, model: nn.Module, rows: int, width: int) -> Batch:
+        """Zeros shaped like a rollout of ``model`` of ``rows`` rows ``width`` wide."""
         ids = torch.zeros(rows, width, dtype=torch.long)
         batch = {"input_ids": ids, "labels": ids.clone(), "old_log_probs": torch.zeros(rows, width)}
+        if self.router_replay:
+            layers = routed_layers(model)
+            shape = (rows, width, len(layers), layers[0].top_k)
+            batch[ROUTES] = torch.zeros(shape, dtype=ROUTE_DTYPE)
         if self.with_reference:
             batch["ref_log_probs"] = torch.zeros(rows, width)
         if self.keep_sampler_log_probs:
@@ -227,16 +257,42 @@ def rollout_rows(
     return input_ids, labels
 
 
-def policy_entropy(model: nn.Module, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+def rollout_routes(
+    columns: torch.Tensor, prompts: list[torch.Tensor], lengths: torch.Tensor, width: int
+) -> torch.Tensor:
+    """The routes ``generate``'s forwards recorded, ``columns`` [b, prompt width + steps,
+    moe_layers, top_k] (left-padded prompts, then one column per decode step), laid out as
+    ``rollout_rows`` lays out the tokens: [b, width, moe_layers, top_k] in ``ROUTE_DTYPE``.
+    Each fed token keeps the experts that routed it when it was fed; padding gets experts
+    0..top_k-1 (any valid route: it is never trained on)."""
+    b, _, n_layers, k = columns.shape
+    prompt_width = max(p.numel() for p in prompts)
+    fill = torch.arange(k, dtype=ROUTE_DTYPE, device=columns.device)
+    routes = fill.expand(b, width, n_layers, k).clone()
+    for i, (prompt, n) in enumerate(zip(prompts, lengths.tolist(), strict=True)):
+        fed = prompt.numel() + n - 1  # the last new token is only a label
+        start = prompt_width - prompt.numel()
+        routes[i, :fed] = columns[i, start : start + fed].to(ROUTE_DTYPE)
+    return routes
+
+
+def policy_entropy(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    temperature: float,
+    routes: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The policy's entropy at each position [b, s] fp32, from full logits at ``temperature``
-    computed a few rows at a time. The rows per chunk come from the widest row of every rank
-    (one all-reduce), so each rank runs as many forwards as the others: every rank must call
-    this with the same number of rows."""
+    computed a few rows at a time (with ``routes`` replayed). The rows per chunk come from the
+    widest row of every rank (one all-reduce), so each rank runs as many forwards as the
+    others: every rank must call this with the same number of rows."""
     vocab = model.args.vocab_size
     step = max(1, LOGITS_BUDGET // (agreed_width(input_ids) * vocab))
     entropy = []
     for rows in range(0, input_ids.shape[0], step):
-        logits = model(input_ids[rows : rows + step]).float() / temperature
+        chunk = None if routes is None else routes[rows : rows + step]
+        with replaying_routes(model, chunk):
+            logits = model(input_ids[rows : rows + step]).float() / temperature
         lse = logits.logsumexp(dim=-1)
         entropy.append(lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1))
     return torch.cat(entropy)

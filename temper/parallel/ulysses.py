@@ -32,6 +32,7 @@ from temper.data.batch import (
     SEQUENCE_SHARD,
     Batch,
     SequenceShard,
+    pad_tokens,
 )
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.attention import attention as causal_attention
@@ -92,7 +93,7 @@ def shard_batch(
     # per-row ones ([b]: advantages) go to every slice.
     for key, t in batch.items():
         if key not in padded and key not in VISION_FIELDS:
-            padded[key] = F.pad(t, (0, pad)) if t.shape[:2] == (b, s) else t
+            padded[key] = pad_tokens(t, pad) if t.shape[:2] == (b, s) else t
     local = (s + pad) // size
     start = rank * local
     shard = {

@@ -2,11 +2,12 @@
 rollout trains on the rollout it had, not on a new one drawn from extra prompts.
 
 Each rank holds its own rollout rows, of widths that differ between ranks and rollouts, and a
-DCP load fills tensors whose shapes are known beforehand. So every 2-D field is stored padded
-to a fixed width (``training.seq_len``) beside its real width, and each tensor becomes one
-rank's row of a [world, ...] tensor sharded by rank (a DTensor over all ranks): each rank
-writes and reads back its own. The rollout's metrics are the same on every rank (reduced over
-all of them) and go to the checkpoint's JSON as floats, which round-trip exactly.
+DCP load fills tensors whose shapes are known beforehand. So every per-token field
+([rows, w, ...]) is stored padded to a fixed width (``training.seq_len``) beside its real
+width, and each tensor becomes one rank's row of a [world, ...] tensor sharded by rank (a
+DTensor over all ranks): each rank writes and reads back its own. The rollout's metrics are
+the same on every rank (reduced over all of them) and go to the checkpoint's JSON as floats,
+which round-trip exactly.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from temper.data.batch import Batch
+from temper.data.batch import Batch, pad_tokens
 
 Rollout = tuple[list[Batch], dict[str, torch.Tensor]]
 """A step's rollout micro-batches and their metrics, as the Trainer keeps them."""
@@ -28,7 +28,7 @@ Rollout = tuple[list[Batch], dict[str, torch.Tensor]]
 def rollout_state(
     micro_batches: list[Batch], metrics: dict[str, torch.Tensor] | None, width: int
 ) -> dict[str, Any]:
-    """``micro_batches`` (fields [rows] or [rows, w] with w <= ``width``) and ``metrics`` as a
+    """``micro_batches`` (fields [rows] or [rows, w, ...] with w <= ``width``) and ``metrics`` as a
     checkpoint's nested state. Metrics None: a template to load into."""
     state: dict[str, Any] = {"micro_batches": [_padded(batch, width) for batch in micro_batches]}
     if metrics is not None:
@@ -43,7 +43,7 @@ def restore_rollout(state: dict[str, Any]) -> Rollout:
     for saved in state["micro_batches"]:
         local = {key: _own_row(value) for key, value in saved.items()}
         width = int(local.pop("width"))
-        micro_batches.append({k: v[:, :width] if v.dim() == 2 else v for k, v in local.items()})
+        micro_batches.append({k: v[:, :width] if v.dim() >= 2 else v for k, v in local.items()})
     device = micro_batches[0]["input_ids"].device
     metrics = {
         name: torch.tensor(value, dtype=torch.float32, device=device)
@@ -53,12 +53,12 @@ def restore_rollout(state: dict[str, Any]) -> Rollout:
 
 
 def _padded(batch: Batch, width: int) -> dict[str, torch.Tensor]:
-    widths = {v.shape[1] for v in batch.values() if v.dim() == 2}
+    widths = {v.shape[1] for v in batch.values() if v.dim() >= 2}
     if len(widths) != 1 or max(widths) > width:
         raise ValueError(f"rollout fields of widths {sorted(widths)} do not fit width {width}")
     (own,) = widths
     device = next(iter(batch.values())).device
-    fields = {k: F.pad(v, (0, width - own)) if v.dim() == 2 else v for k, v in batch.items()}
+    fields = {k: pad_tokens(v, width - own) if v.dim() >= 2 else v for k, v in batch.items()}
     fields["width"] = torch.tensor(own, device=device)
     return {key: _rank_sharded(value) for key, value in fields.items()}
 

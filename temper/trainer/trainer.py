@@ -19,7 +19,7 @@ from temper.config import Config, load_config, save_config
 from temper.data.batch import Batch
 from temper.data.tasks import build_loader
 from temper.engine import Engine, NonFiniteError
-from temper.objectives import Objective, RolloutObjective, build_objective
+from temper.objectives import Objective, RolloutObjective, build_objective, micro_batch_scope
 from temper.objectives.dynamic_sampling import DynamicSampling, Rollout, fill_rollout
 from temper.parallel.collectives import all_reduce_sum, combine_metrics
 from temper.trainer.console import (
@@ -86,7 +86,8 @@ class Trainer:
 
         def template() -> list[Batch]:
             prompts, width = config.training.local_batch_size, config.training.seq_len
-            empty = [objective.empty_rollout(prompts, width) for _ in range(self.grad_accum)]
+            model = self.engine.model
+            empty = [objective.empty_rollout(model, prompts, width) for _ in range(self.grad_accum)]
             return [{k: v.to(device) for k, v in batch.items()} for batch in empty]
 
         return TrainState(
@@ -169,11 +170,12 @@ class Trainer:
         loss_sum = torch.zeros((), device=engine.device)
         parts = []
         for batch in micro_batches:
-            with self.phases("forward"), engine.autocast():
-                micro_loss, _, micro_metrics = self.objective.loss(engine.model, batch)
-            self.moe_load.add()
-            with self.phases("backward"):
-                (micro_loss / global_count).backward()
+            with micro_batch_scope(self.objective, engine.model, batch):
+                with self.phases("forward"), engine.autocast():
+                    micro_loss, _, micro_metrics = self.objective.loss(engine.model, batch)
+                self.moe_load.add()
+                with self.phases("backward"):
+                    (micro_loss / global_count).backward()
             loss_sum += micro_loss.detach().float()
             parts.append(micro_metrics)
         # The objective's metrics of the whole step: every micro-batch on every rank.

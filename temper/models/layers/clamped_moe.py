@@ -48,10 +48,16 @@ class BiasedTopKRouter(nn.Module):
         self.top_k = top_k
         self.gate = nn.Linear(dim, n_experts, bias=True)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [n, dim] -> probabilities [n, E] (fp32), weights [n, k] (x's dtype), experts [n, k]."""
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, dim] -> probabilities [n, E] (fp32), weights [n, k] (x's dtype), experts [n, k].
+        ``experts`` [n, k] (router replay): softmax these experts' logits, not the top k's."""
         logits = self.gate(x)
-        top, experts = logits.topk(self.top_k, dim=-1)
+        if experts is None:
+            top, experts = logits.topk(self.top_k, dim=-1)
+        else:
+            top = logits.gather(1, experts)
         weights = top.softmax(dim=-1)
         return logits.softmax(dim=-1, dtype=torch.float32), weights, experts
 

@@ -66,11 +66,18 @@ class TopKRouter(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(dim, n_experts, bias=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [n, dim] -> probabilities [n, E] (fp32), weights [n, k] (x's dtype), experts [n, k]."""
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, dim] -> probabilities [n, E] (fp32), weights [n, k] (x's dtype), experts [n, k].
+        ``experts`` [n, k] (router replay): take these instead of the top k; their weights
+        are still the router's probabilities, so the gate gets its gradient."""
         logits = self.gate(x)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        if experts is None:
+            weights, experts = probs.topk(self.top_k, dim=-1)
+        else:
+            weights = probs.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights.to(logits.dtype), experts
@@ -109,22 +116,21 @@ class GroupLimitedRouter(nn.Module):
         nn.init.zeros_(self.expert_bias)
         self.load.zero_()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [n, dim] -> probabilities [n, E] (fp32 affinities normalized over experts, what the
         load-balancing loss reads), weights [n, k] (x's dtype), experts [n, k].
+        ``experts`` [n, k] (router replay): take these instead of choosing, weighted by their
+        affinities as chosen ones would be.
 
         Counts the choices into ``load`` in training mode with autograd on. An activation
         checkpoint's recomputation counts a layer's tokens twice, which scales all of that
         layer's counts alike and so leaves the sign of each bias update unchanged.
         """
-        n = x.shape[0]
         scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
-        biased = (scores + self.expert_bias).view(n, self.n_groups, -1)
-        group_scores = biased.topk(2, dim=-1).values.sum(dim=-1)
-        groups = group_scores.topk(self.topk_group, dim=-1).indices
-        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-        biased = biased.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(n, -1)
-        experts = biased.topk(self.top_k, dim=-1).indices
+        if experts is None:
+            experts = self._choose(scores)
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -133,6 +139,16 @@ class GroupLimitedRouter(nn.Module):
             self.load += tokens_per_expert(experts, self.load.numel())
         probs = scores / scores.sum(dim=-1, keepdim=True)
         return probs, weights.to(x.dtype), experts
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The top k experts [n, k] by biased affinity within each token's best groups."""
+        n = scores.shape[0]
+        biased = (scores + self.expert_bias).view(n, self.n_groups, -1)
+        group_scores = biased.topk(2, dim=-1).values.sum(dim=-1)
+        groups = group_scores.topk(self.topk_group, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        biased = biased.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(n, -1)
+        return biased.topk(self.top_k, dim=-1).indices
 
 
 @torch.no_grad()
@@ -227,7 +243,9 @@ class MoE(nn.Module):
     routed output (DeepSeek V3's shared experts); ``shared_gate`` scales it per token by
     ``sigmoid(shared_gate(x))`` first (Qwen3-Next, Qwen3.5-MoE). ``router`` and ``experts``
     replace the built-in ones (gpt-oss's, ``temper.models.layers.clamped_moe``), with the same
-    call contracts.
+    call contracts (a router takes the ``experts`` to replay, see ``TopKRouter``).
+
+    Router replay (``temper.models.layers.route_replay``) sets ``record`` or ``replay``.
     """
 
     def __init__(
@@ -246,6 +264,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.n_experts = n_experts
+        self.top_k = top_k
         if router is not None:
             self.router = router
         elif group_limited is None:
@@ -257,6 +276,11 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.routing: RoutingStats | None = None
         self.dispatcher: ExpertDispatcher = run_local
+        self.record: list[torch.Tensor] | None = None
+        """With a list, each forward appends the experts it routed to, [b, s, top_k]."""
+        self.replay: torch.Tensor | None = None
+        """[b, s, top_k] experts that each token of the next forwards goes to, instead of
+        the router's choice (its weights still come from the router)."""
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.router.init_weights(std)
@@ -270,7 +294,9 @@ class MoE(nn.Module):
         """x [b, s, dim]; ``valid_len``: each row's first tokens that are real, the rest
         right padding (sequence parallelism's), which the routing statistics leave out."""
         tokens = x.reshape(-1, x.shape[-1])
-        probs, weights, experts = self.router(tokens)
+        probs, weights, experts = self.router(tokens, self._replayed(x))
+        if self.record is not None:
+            self.record.append(experts.view(*x.shape[:2], -1))
         rows, order, counts = permute(tokens, experts, self.n_experts)
         out = self.dispatcher(self.experts, rows, counts)
         if _recomputing == 0:
@@ -287,6 +313,17 @@ class MoE(nn.Module):
                 shared = self.shared_gate(x).sigmoid() * shared
             out = out + shared
         return out
+
+    def _replayed(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``replay`` as [tokens, top_k] int64 for the router; None without one."""
+        if self.replay is None:
+            return None
+        if self.replay.shape[:2] != x.shape[:2]:
+            raise ValueError(
+                f"router replay: routes for [b, s] = {list(self.replay.shape[:2])} but the "
+                f"forward has {list(x.shape[:2])}"
+            )
+        return self.replay.reshape(-1, self.replay.shape[-1]).long()
 
 
 _recomputing = 0
