@@ -265,15 +265,17 @@ class Trainer:
         A ``RolloutObjective`` turns each micro-batch of prompts into a rollout every
         ``updates_per_rollout`` steps and trains on that rollout until the next one. The
         sampler of micro-batch ``j`` on data rank ``r`` is seeded by (seed, step,
-        ``r * grad_accum + j``), so one process accumulating micro-batches draws what the
-        data-parallel ranks draw.
+        ``j * dp + r``): the position of its rows in the step's global batch, since the ranks'
+        ``j``-th micro-batches together are the global ``j``-th one. So one process
+        accumulating one-row micro-batches draws what the data-parallel ranks draw, with or
+        without accumulation on them.
         """
         objective, state, engine = self.objective, self.state, self.engine
         if not isinstance(objective, RolloutObjective):
             return [next(batches) for _ in range(self.grad_accum)], {}
         if state.rollout is None or state.step % objective.updates_per_rollout == 0:
             prompts = [self._whole_prompts(batches) for _ in range(self.grad_accum)]
-            first = engine.dims.dp_rank * self.grad_accum
+            dp, rank = engine.dims.dp, engine.dims.dp_rank
             offload = self.config.optimizer.offload_during_rollout
             self.rollout_clock.start()
             if offload:
@@ -281,7 +283,7 @@ class Trainer:
             try:  # in the loss's precision, so the first update's ratio is exactly 1
                 with engine.autocast(), self.phases("rollout"):
                     results = [
-                        self._rollout(mb, batches, first + j) for j, mb in enumerate(prompts)
+                        self._rollout(mb, batches, j * dp + rank) for j, mb in enumerate(prompts)
                     ]
             finally:
                 if offload:

@@ -223,6 +223,31 @@ def test_grpo_under_expert_parallelism_decodes_in_lockstep_like_one_process(
             assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), name
 
 
+def test_grpo_with_accumulation_on_two_data_ranks_rolls_out_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """Two FSDP2 ranks accumulating two one-row micro-batches each, against one process
+    accumulating four: rank r's j-th micro-batch holds the global batch's row 2j + r and is
+    sampled as the one process samples that row (the sampler was keyed by r * 2 + j, so rows
+    1 and 2 drew each other's samples), and the step's metrics agree."""
+    configs = {}
+    for name in ("single", "fsdp"):
+        config = _config(tmp_path / name)
+        config.training.global_batch_size = 4
+        config.training.steps = 1
+        config.objective.rewards = ["test_brevity"]
+        configs[name] = config
+    single = run_on_ranks(_train_recording, 1, configs["single"], 8)[0]
+    fsdp = run_on_ranks(_train_recording, 2, configs["fsdp"], 8)
+    assert len(single["rollouts"]) == 4
+    for rank in range(2):
+        for j, got in enumerate(fsdp[rank]["rollouts"]):
+            want = single["rollouts"][2 * j + rank]
+            assert torch.equal(got["input_ids"], want["input_ids"]), (rank, j)
+            torch.testing.assert_close(got["old_log_probs"], want["old_log_probs"])
+    assert_same_metrics(fsdp[0]["rows"], single["rows"])
+
+
 @pytest.mark.parametrize(
     ("model", "parallelism"),
     [("llama3", {"sp": 2}), pytest.param("qwen3_moe", {"sp": 2, "ep": 2}, marks=pytest.mark.slow)],
