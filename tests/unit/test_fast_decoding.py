@@ -9,8 +9,9 @@ import torch
 from test_generation import PROMPTS, TINY, tiny_model
 
 from temper.generation import decoding, generate
+from temper.kernels.attention import attention
 from temper.models import build_model, materialize
-from temper.models.layers.kv_cache import StaticKVCache
+from temper.models.layers.kv_cache import StaticKVCache, cached_attention
 
 NEW = 6
 
@@ -44,6 +45,38 @@ def test_static_cache_decodes_what_the_growing_cache_does(family: str) -> None:
     eager, static = _sample(model, False), _sample(model, True)
     assert torch.equal(static.tokens, eager.tokens)
     torch.testing.assert_close(static.log_probs, eager.log_probs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("n", "h", "h_kv", "d_v", "window", "sinks"),
+    [
+        (1, 4, 2, 8, None, False),
+        (3, 4, 1, 6, None, False),
+        (1, 4, 2, 8, 3, True),
+        (3, 2, 2, 8, 2, True),
+    ],
+)
+def test_cached_attention_equals_sdpa_over_a_head_major_cache(
+    n: int, h: int, h_kv: int, d_v: int, window: int | None, sinks: bool
+) -> None:
+    """The written-out attention of the static cache against ``attention`` (sdpa, or the sink
+    column's definition) on the same keys in [b, s, h_kv, d]: GQA, MLA's d_v != d, a sliding
+    window, sinks, one query and several, padded key columns hidden."""
+    torch.manual_seed(0)
+    b, s, d = 2, 7, 8
+    q = torch.randn(b, n, h, d)
+    k, v = torch.randn(b, s, h_kv, d), torch.randn(b, s, h_kv, d_v)
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[0, :2] = False  # left padding of row 0
+    keys, queries = torch.arange(s), torch.arange(s - n, s)[:, None]
+    mask = ((valid[:, None, :] | (keys == queries)) & (keys <= queries)).unsqueeze(1)
+    sink = torch.randn(h) if sinks else None
+    scale = 0.3
+    want = attention(q, k, v, mask=mask, window=window, scale=scale, sinks=sink)
+    if window is not None:
+        mask = mask & (queries - keys < window)
+    got = cached_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale, sinks=sink)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_static_mask_by_hand() -> None:
