@@ -140,6 +140,17 @@ class StaticLayerCache(LayerCache):
 
     cache: StaticKVCache
 
+    @property
+    def conv_window(self) -> torch.Tensor | None:
+        return self._conv_window
+
+    @conv_window.setter
+    def conv_window(self, window: torch.Tensor | None) -> None:
+        # Stored contiguous: the window is a slice of each forward's inputs, whose strides
+        # differ between the prefill and a step, and a compiled step guards on strides (it
+        # compiled twice for Gated DeltaNet layers without this).
+        self._conv_window = None if window is None else window.contiguous()
+
     def valid_columns(self, n: int) -> torch.Tensor:
         return self.cache.valid.index_select(1, self.cache.columns)
 
