@@ -101,7 +101,7 @@ def test_static_mask_by_hand() -> None:
         _ = cache.length
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama3", pytest.param("qwen3_5", marks=pytest.mark.slow)])
 def test_the_compiled_step_is_one_graph_for_every_token_and_width(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
