@@ -8,12 +8,19 @@ A random ``LlamaForCausalLM`` (``--dim``, ``--layers``, GQA 8 heads on 2) is sav
 ``save_pretrained`` and Temper reads it with ``load_hf``. The prompts are ``--batch`` random
 token rows of 8 to 32 tokens, left-padded for transformers (with its attention mask). Every
 row decodes exactly ``--new-tokens`` tokens (no stop token). The compiled step is built by a
-warm-up call first, timed apart (``compile_s``); then the three take turns, one call each
+warm-up call first, timed apart (``compile_s``); then the four take turns, one call each
 per round, so load from other processes falls on all alike, and each time is the median
 over ``--rounds``. ``--threads`` (1) sets torch's CPU threads: on a machine other
 processes load, OpenMP threads that wait on each other at every op ran one 32-token call
-30x slower than one thread did. ``same_tokens`` is the share of rows whose greedy tokens equal
-transformers' (random weights have near-ties that float rounding may flip late in a row).
+30x slower than one thread did. Each call is timed twice: wall-clock and this process's CPU
+time (``time.process_time``); with one thread on a shared machine the CPU time is what the
+decoder itself cost, the wall time adds the waits for a core, which the load decides. The
+rates and ratios are given for both. ``matmuls alone`` times only the decode steps' matrix
+products on the same weights (each linear layer once per new token on a [batch, in] input):
+transformers' time over it bounds what a decoder that runs the same products through
+torch's CPU GEMM can gain on this machine. ``same_tokens`` is the share of rows whose greedy
+tokens equal transformers' (random weights have near-ties that float rounding may flip
+late in a row).
 """
 
 from __future__ import annotations
@@ -91,38 +98,64 @@ def main() -> None:
         )
         return out[:, width:]
 
-    runs: dict[str, Callable[[], torch.Tensor]] = {
+    # The matrix products of the decode steps alone, on the same weights: every linear
+    # layer (the LM head included, all but the embedding lookup) applied to a [batch, in]
+    # input once per new token, through the same torch kernel the decoders call (prefill and
+    # attention not counted).
+    linears = [m.weight for m in native.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {
+        w.shape[1]: torch.randn(args.batch, w.shape[1], device=args.device, dtype=dtype)
+        for w in linears
+    }
+
+    @torch.no_grad()
+    def matmuls_alone() -> None:
+        for _ in range(new):
+            for w in linears:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    runs: dict[str, Callable[[], torch.Tensor | None]] = {
         "transformers": theirs,
         "temper eager": lambda: ours(False),
         "temper compiled": lambda: ours(True),
+        "matmuls alone": matmuls_alone,
     }
     start = time.perf_counter()
     ours(True)
     sync()
     compile_s = time.perf_counter() - start
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    tokens: dict[str, torch.Tensor] = {}
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+    times = {(name, clock): [] for name in runs for clock in clocks}
+    tokens: dict[str, torch.Tensor | None] = {}
     for _ in range(args.rounds):
         for name, run in runs.items():
             sync()
-            start = time.perf_counter()
+            starts = {clock: read() for clock, read in clocks.items()}
             tokens[name] = run()
             sync()
-            times[name].append(time.perf_counter() - start)
+            for clock, read in clocks.items():
+                times[name, clock].append(read() - starts[clock])
     reference = tokens["transformers"]
-    base = statistics.median(times["transformers"])
+    seconds = {key: statistics.median(values) for key, values in times.items()}
     print(
         f"batch {args.batch} x {new} new tokens, Llama dim {args.dim} x {args.layers} layers, "
         f"vocab {args.vocab}, {args.device} {args.dtype}, {args.threads} threads; "
         f"compile_s {compile_s:.1f}"
     )
-    print("| decoder | seconds | new tokens/s | vs transformers | same_tokens |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print(
+        "| decoder | wall s | CPU s | new tokens/s (CPU) | vs transformers (CPU) "
+        "| vs transformers (wall) | same_tokens |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in runs:
-        seconds = statistics.median(times[name])
-        same = (tokens[name] == reference).all(dim=1).float().mean().item()
-        rate = args.batch * new / seconds
-        print(f"| {name} | {seconds:.2f} | {rate:.0f} | {base / seconds:.2f}x | {same:.2f} |")
+        wall, cpu = seconds[name, "wall"], seconds[name, "cpu"]
+        out = tokens[name]
+        same = "-" if out is None else f"{(out == reference).all(dim=1).float().mean():.2f}"
+        print(
+            f"| {name} | {wall:.2f} | {cpu:.2f} | {args.batch * new / cpu:.0f} "
+            f"| {seconds['transformers', 'cpu'] / cpu:.2f}x "
+            f"| {seconds['transformers', 'wall'] / wall:.2f}x | {same} |"
+        )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ import torch
 from test_generation import PROMPTS, TINY, tiny_model
 
 from temper.generation import decoding, generate
+from temper.kernels.attention import attention
 from temper.models import build_model, materialize
-from temper.models.layers.kv_cache import StaticKVCache
+from temper.models.layers.kv_cache import StaticKVCache, cached_attention
 
 NEW = 6
 
@@ -27,6 +28,14 @@ def _sample(model: torch.nn.Module, compile: bool, prompts=PROMPTS) -> decoding.
     )
 
 
+def _model(family: str) -> torch.nn.Module:
+    if family in TINY:
+        return tiny_model(family)
+    # A Gated DeltaNet hybrid: conv window and recurrent state beside the KV cache.
+    torch.manual_seed(0)
+    return materialize(build_model(family, "debug"), torch.device("cpu"))
+
+
 @pytest.fixture
 def eager_static_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """compile=True on the static cache, with the step left uncompiled (fast to test)."""
@@ -36,14 +45,42 @@ def eager_static_step(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("eager_static_step")
 @pytest.mark.parametrize("family", [*TINY, "qwen3_5_moe"])
 def test_static_cache_decodes_what_the_growing_cache_does(family: str) -> None:
-    if family in TINY:
-        model = tiny_model(family)
-    else:  # a Gated DeltaNet hybrid: conv window and recurrent state beside the KV cache
-        torch.manual_seed(0)
-        model = materialize(build_model(family, "debug"), torch.device("cpu"))
+    model = _model(family)
     eager, static = _sample(model, False), _sample(model, True)
     assert torch.equal(static.tokens, eager.tokens)
     torch.testing.assert_close(static.log_probs, eager.log_probs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("n", "h", "h_kv", "d_v", "window", "sinks"),
+    [
+        (1, 4, 2, 8, None, False),
+        (3, 4, 1, 6, None, False),
+        (1, 4, 2, 8, 3, True),
+        (3, 2, 2, 8, 2, True),
+    ],
+)
+def test_cached_attention_equals_sdpa_over_a_head_major_cache(
+    n: int, h: int, h_kv: int, d_v: int, window: int | None, sinks: bool
+) -> None:
+    """The written-out attention of the static cache against ``attention`` (sdpa, or the sink
+    column's definition) on the same keys in [b, s, h_kv, d]: GQA, MLA's d_v != d, a sliding
+    window, sinks, one query and several, padded key columns hidden."""
+    torch.manual_seed(0)
+    b, s, d = 2, 7, 8
+    q = torch.randn(b, n, h, d)
+    k, v = torch.randn(b, s, h_kv, d), torch.randn(b, s, h_kv, d_v)
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[0, :2] = False  # left padding of row 0
+    keys, queries = torch.arange(s), torch.arange(s - n, s)[:, None]
+    mask = ((valid[:, None, :] | (keys == queries)) & (keys <= queries)).unsqueeze(1)
+    sink = torch.randn(h) if sinks else None
+    scale = 0.3
+    want = attention(q, k, v, mask=mask, window=window, scale=scale, sinks=sink)
+    if window is not None:
+        mask = mask & (queries - keys < window)
+    got = cached_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale, sinks=sink)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_static_mask_by_hand() -> None:
@@ -64,12 +101,14 @@ def test_static_mask_by_hand() -> None:
         _ = cache.length
 
 
+@pytest.mark.parametrize("family", ["llama3", pytest.param("qwen3_5", marks=pytest.mark.slow)])
 def test_the_compiled_step_is_one_graph_for_every_token_and_width(
-    monkeypatch: pytest.MonkeyPatch,
+    family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Traced with a counting backend (no code generation): one graph, no graph break, no
     recompilation between tokens or for a batch of other prompt widths that round to the
-    same cache length."""
+    same cache length. Qwen3.5 (Gated DeltaNet layers beside attention) recompiled once at
+    the second token when its convolution window kept the prefill's strides."""
     graphs = []
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -79,7 +118,7 @@ def test_the_compiled_step_is_one_graph_for_every_token_and_width(
     torch.compiler.reset()
     step = torch.compile(decoding.decode_step, backend=backend, dynamic=False, fullgraph=True)
     monkeypatch.setattr(decoding, "_COMPILED", [step])
-    model = tiny_model("llama3")
+    model = _model(family)
     eager, compiled = _sample(model, False), _sample(model, True)
     assert torch.equal(compiled.tokens, eager.tokens)
     torch.testing.assert_close(compiled.log_probs, eager.log_probs, rtol=0, atol=1e-5)

@@ -3,17 +3,17 @@
 Rows are decoded in lockstep: every forward appends the same number of tokens to each row, so
 one column index serves the whole batch. Prompts of different lengths are left-padded; a
 ``valid`` mask over the columns hides the padding. Each layer stores the keys and values its
-attention hands it: rotary GQA stores ``[b, max_len, n_kv_heads, head_dim]``, MLA its
+attention hands it, head-major: rotary GQA ``[b, n_kv_heads, max_len, head_dim]``, MLA its
 per-head expanded keys and values (what transformers caches too), which costs more memory than
-the latent but reads the same way as GQA. ``StaticKVCache`` is the variant with fixed shapes
-that a compiled decode step needs.
+the latent but reads the same way as GQA; both attend with ``cached_attention``.
+``StaticKVCache`` is the variant with fixed shapes that a compiled decode step needs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from temper.kernels.attention import attention
+from temper.kernels.attention import causal_band
 
 
 class KVCache:
@@ -83,13 +83,16 @@ class LayerCache:
         cache = self.cache
         if self.k is None or self.v is None:
             b, max_len = cache.valid.shape
-            self.k = k.new_zeros(b, max_len, *k.shape[2:])
-            self.v = v.new_zeros(b, max_len, *v.shape[2:])
+            self.k = k.new_zeros(b, k.shape[2], max_len, k.shape[3])
+            self.v = v.new_zeros(b, v.shape[2], max_len, v.shape[3])
         start, end = cache.length - k.shape[1], cache.length
-        self.k[:, start:end] = k
-        self.v[:, start:end] = v
-        keys, values = self.k[:, :end], self.v[:, :end]
-        return attention(q, keys, values, scale=scale, mask=cache.mask, window=window, sinks=sinks)
+        self.k[:, :, start:end] = k.transpose(1, 2)
+        self.v[:, :, start:end] = v.transpose(1, 2)
+        mask = cache.mask
+        if window is not None:
+            mask = mask & causal_band(q.shape[1], end, window, q.device)
+        keys, values = self.k[:, :, :end], self.v[:, :, :end]
+        return cached_attention(q, keys, values, mask, scale=scale, sinks=sinks)
 
 
 class StaticKVCache(KVCache):
@@ -138,6 +141,17 @@ class StaticLayerCache(LayerCache):
 
     cache: StaticKVCache
 
+    @property
+    def conv_window(self) -> torch.Tensor | None:
+        return self._conv_window
+
+    @conv_window.setter
+    def conv_window(self, window: torch.Tensor | None) -> None:
+        # Stored contiguous: the window is a slice of each forward's inputs, whose strides
+        # differ between the prefill and a step, and a compiled step guards on strides (it
+        # compiled twice for Gated DeltaNet layers without this).
+        self._conv_window = None if window is None else window.contiguous()
+
     def valid_columns(self, n: int) -> torch.Tensor:
         return self.cache.valid.index_select(1, self.cache.columns)
 
@@ -153,13 +167,48 @@ class StaticLayerCache(LayerCache):
         cache = self.cache
         if self.k is None or self.v is None:
             b, max_len = cache.valid.shape
-            self.k = k.new_zeros(b, max_len, *k.shape[2:])
-            self.v = v.new_zeros(b, max_len, *v.shape[2:])
+            self.k = k.new_zeros(b, k.shape[2], max_len, k.shape[3])
+            self.v = v.new_zeros(b, v.shape[2], max_len, v.shape[3])
         # Indexed assignment (index_put_), which the compiler keeps in place.
-        self.k[:, cache.columns] = k
-        self.v[:, cache.columns] = v
+        self.k[:, :, cache.columns] = k.transpose(1, 2)
+        self.v[:, :, cache.columns] = v.transpose(1, 2)
         mask = cache.mask
         if window is not None:  # the band by column, as attention's causal_band draws it
-            keys = torch.arange(self.k.shape[1], device=q.device)
+            keys = torch.arange(self.k.shape[2], device=q.device)
             mask = mask & (cache.columns[:, None] - keys < window)
-        return attention(q, self.k, self.v, scale=scale, mask=mask, sinks=sinks)
+        return cached_attention(q, self.k, self.v, mask, scale=scale, sinks=sinks)
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v written out for a few queries q [b, n, h, d] over a head-major
+    cache k [b, h_kv, s, d], v [b, h_kv, s, d_v] under ``mask`` [b, 1, n, s]: [b, n, h, d_v].
+
+    The definition ``attention`` computes, in two batched products on the cache as it lies.
+    CPU's sdpa kernel is tiled for long query blocks: for a decode step's single query over a
+    static buffer it was the largest item of the compiled step's profile, 3 ms of a 9 ms step
+    at dim 64 (and a third of the eager step's). The query heads that share a key head
+    become the rows of one product; ``sinks`` [h] add a logit per head to each row's softmax,
+    then drop out.
+    """
+    b, n, h, d = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    groups = h // h_kv
+    scale = d**-0.5 if scale is None else scale
+    # [b, n, h_kv * groups, d] -> [b, h_kv, groups * n, d]: query head i reads key head i // groups.
+    rows = q.view(b, n, h_kv, groups, d).permute(0, 2, 3, 1, 4).reshape(b, h_kv, groups * n, d)
+    scores = (rows @ k.transpose(2, 3)).float() * scale
+    scores = scores.view(b, h_kv, groups, n, s).masked_fill(~mask[:, :, None], float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float().view(1, h_kv, groups, 1, 1).expand(b, h_kv, groups, n, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    out = probs.to(v.dtype).reshape(b, h_kv, groups * n, s) @ v
+    return out.view(b, h_kv, groups, n, -1).permute(0, 3, 1, 2, 4).reshape(b, n, h, -1)
