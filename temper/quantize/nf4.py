@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.tensor import DTensor, Shard
 
 from temper.config import Config, ConfigError, register_rule
@@ -45,10 +48,11 @@ def scaler_block(weight: torch.Tensor, shards: int = 1) -> int | None:
 
 
 @torch.no_grad()
-def quantize_lora_base(model: nn.Module) -> list[str]:
+def quantize_lora_base(model: nn.Module, shards: int = 1) -> list[str]:
     """Replace the base weight of every ``LoRALinear`` of ``model`` (materialized) by its NF4
     tensor, frozen; returns the names quantized. A weight that is not a whole number of
-    64-value blocks (per shard) keeps its dtype.
+    64-value blocks (per shard) keeps its dtype. ``shards``: quantize an unsharded model as a
+    run sharded that many ways did (the blocks it picked), to load that run's checkpoint.
 
     An FSDP2-sharded weight is gathered, quantized whole (the NF4 of one process, scales and
     their mean from the full tensor) and split by rows: each rank keeps its rows' codes and
@@ -61,8 +65,7 @@ def quantize_lora_base(model: nn.Module) -> list[str]:
     for module in lora_modules(model):
         weight = module.weight.detach()
         sharded = isinstance(weight, DTensor)
-        shards = weight.device_mesh.size() if sharded else 1
-        size = scaler_block(weight, shards)
+        size = scaler_block(weight, weight.device_mesh.size() if sharded else shards)
         if size is None:
             continue
         if not sharded:
@@ -73,7 +76,7 @@ def quantize_lora_base(model: nn.Module) -> list[str]:
                     f"lora.quantize_base nf4: {names[id(module)]} is laid out as "
                     f"{weight.placements}; NF4 shards only over one FSDP2 dim"
                 )
-            rows = torch.chunk(to_nf4(weight.full_tensor(), BLOCK, size), shards)
+            rows = torch.chunk(to_nf4(weight.full_tensor(), BLOCK, size), weight.device_mesh.size())
             local = rows[weight.device_mesh.get_local_rank()]
             param = DTensor.from_local(
                 local,
@@ -88,6 +91,32 @@ def quantize_lora_base(model: nn.Module) -> list[str]:
             )
         quantized.append(names[id(module)])
     return quantized
+
+
+def saved_row_shards(metadata: Metadata, model: nn.Module) -> int:
+    """The row shards a checkpoint (its DCP ``metadata``) holds each NF4 base in: FSDP2's
+    degree when it was saved, 1 for one process."""
+    names = {id(m): name for name, m in model.named_modules()}
+    counts = {
+        len(metadata.state_dict_metadata[f"model.{names[id(m)]}.weight"].chunks)
+        for m in lora_modules(model)
+    }
+    return max(counts, default=1)
+
+
+class RowShardedNF4Planner(DefaultLoadPlanner):
+    """Loads NF4 bases saved as FSDP2 row shards into whole NF4 tensors (quantized with the
+    same blocks, ``quantize_lora_base(model, shards)``): a saved shard's codes and scales are
+    copied into the matching rows of the whole tensor's, which NF4 splits as views. DCP would
+    slice the whole NF4 tensor instead, which NF4 does not implement."""
+
+    def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+        rows = read_item.lengths[0]
+        if isinstance(tensor, NF4Tensor) and rows < tensor.shape[0]:
+            return torch.chunk(tensor, tensor.shape[0] // rows)[read_item.dest_offsets[0] // rows]
+        return super().transform_tensor(read_item, tensor)
 
 
 @register_rule

@@ -18,7 +18,7 @@ from temper.recipes.precision import sft_debug_qlora
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = 2
 IDS = torch.randint(0, 2000, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
@@ -27,7 +27,7 @@ def _config(folder: Path, layout) -> Config:
     config.training.steps = STEPS
     config.training.deterministic = True
     config.checkpoint.enable = True
-    config.checkpoint.interval = 2
+    config.checkpoint.interval = 1
     return config
 
 
@@ -83,7 +83,7 @@ def test_qlora_fsdp2_equals_one_process_and_resumes(tmp_path: Path) -> None:
     tables = len(single["codes"]) * 17 * 4
     assert [r["local_bytes"] for r in ranks] == [(single["local_bytes"] - tables) / 2 + tables] * 2
 
-    # Resumed from step 2's checkpoint (NF4 shards, adapters, optimizer, data position), step 3
+    # Resumed from step 1's checkpoint (NF4 shards, adapters, optimizer, data position), step 2
     # is the uninterrupted run's.
     folder = Path(_config(tmp_path, FSDP2).job.dump_folder)
     checkpoints = folder / "checkpoints"
@@ -91,16 +91,16 @@ def test_qlora_fsdp2_equals_one_process_and_resumes(tmp_path: Path) -> None:
     resumed_config = _config(tmp_path, FSDP2)
     resumed_config.job.dump_folder = str(resumed_dir)
     (resumed_dir / "checkpoints").mkdir(parents=True)
-    (checkpoints / "step-2").rename(resumed_dir / "checkpoints" / "step-2")
+    (checkpoints / "step-1").rename(resumed_dir / "checkpoints" / "step-1")
     resumed = _run(resumed_config, FSDP2)[0]
-    assert resumed["resumed_from"] == 2
+    assert resumed["resumed_from"] == 1
     (last,) = resumed["rows"]
     assert last["step"] == STEPS
     assert last["loss"] == pytest.approx(sharded["rows"][-1]["loss"], rel=1e-6)
     assert last["grad_norm"] == pytest.approx(sharded["rows"][-1]["grad_norm"], rel=1e-6)
 
     # The export merges the sharded NF4 base: transformers' model gives the trained logits.
-    dcp_to_hf(checkpoints / "step-3", tmp_path / "hf")
+    dcp_to_hf(checkpoints / f"step-{STEPS}", tmp_path / "hf")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert {p.dtype for p in exported.parameters()} == {torch.float32}
     with torch.no_grad():
