@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.tensor import DTensor, Shard
 
@@ -91,17 +90,6 @@ def quantize_lora_base(model: nn.Module, shards: int = 1) -> list[str]:
             )
         quantized.append(names[id(module)])
     return quantized
-
-
-def saved_row_shards(metadata: Metadata, model: nn.Module) -> int:
-    """The row shards a checkpoint (its DCP ``metadata``) holds each NF4 base in: FSDP2's
-    degree when it was saved, 1 for one process."""
-    names = {id(m): name for name, m in model.named_modules()}
-    counts = {
-        len(metadata.state_dict_metadata[f"model.{names[id(m)]}.weight"].chunks)
-        for m in lora_modules(model)
-    }
-    return max(counts, default=1)
 
 
 class RowShardedNF4Planner(DefaultLoadPlanner):
