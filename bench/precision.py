@@ -4,6 +4,7 @@
     python -m bench.precision --device cuda --model llama3:8b --layers 4 --seq-len 4096 \
         --schemes base,float8_tensorwise,float8_rowwise
     python -m bench.precision --device cuda --model llama3:8b --layers 4 --schemes lora,qlora
+    python -m bench.precision --world 2 --schemes base,lora,qlora      # FSDP2 over 2 CPU ranks
 
 Each scheme runs in a fresh process: the model is built on meta (``--layers N`` keeps N of
 the flavor's blocks), given the scheme (FP8 layers; LoRA rank 16 on every linear layer, its
@@ -12,7 +13,9 @@ steps on one random batch with the causal-LM objective (bf16 autocast on CUDA, f
 Reported: the weights' bytes (an NF4 base counted by its codes and scales), the gradients'
 and optimizer state's bytes after a step, the peak memory of the whole step (CUDA: the
 allocator's peak; CPU: the resident set's high-water mark above the one before the model
-existed), and tokens/s of the fastest step after the first.
+existed), and tokens/s of the fastest step after the first. With ``--world N`` each scheme
+runs on N gloo ranks, every block and the root wrapped by FSDP2 (``fully_shard``) on meta
+before materializing, and the figures are rank 0's: its shards' bytes and its own peak.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ SCHEMES = (
 
 
 def measure(scheme: str, model_name: str, layers: int, batch: int, seq_len: int, steps: int,
-            device: str) -> dict:  # fmt: skip
+            device: str, world: int = 1) -> dict:  # fmt: skip
     from temper.config import Float8, Optimizer
     from temper.models import get_model_spec, materialize
     from temper.models.lora import apply_lora, init_lora
@@ -61,6 +64,12 @@ def measure(scheme: str, model_name: str, layers: int, batch: int, seq_len: int,
         apply_float8(model, Float8(enable=True, recipe=recipe, emulate=dev.type != "cuda"))
     if scheme in ("lora", "qlora"):
         apply_lora(model, ["all-linear"], rank=16, alpha=32.0)
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
     torch.manual_seed(0)
     model = materialize(model, dev)
     init_lora(model)
@@ -126,6 +135,25 @@ def _main(queue: mp.Queue, *args: object) -> None:
         queue.put({"error": traceback.format_exc()})
 
 
+def _rank_main(rank: int, port: int, queue: mp.Queue, *args: object) -> None:
+    """One of ``world`` gloo ranks measuring a scheme; rank 0 reports."""
+    import os
+
+    import torch.distributed as dist
+
+    world = args[-1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        result = measure(*args)
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(result)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -135,10 +163,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--world", type=int, default=1, help="FSDP2 ranks (gloo, CPU)")
     args = parser.parse_args()
     dtype = "bf16 autocast" if args.device == "cuda" else "fp32"
     hardware = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     layers = f", {args.layers} blocks" if args.layers else ""
+    layers += f", FSDP2 over {args.world} ranks (rank 0's figures)" if args.world > 1 else ""
     print(
         f"{args.model}{layers}, {hardware}, {dtype}, batch {args.batch} x {args.seq_len}, "
         f"fastest of {args.steps} steps after one, torch {torch.__version__}\n"
@@ -150,22 +180,20 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     for scheme in args.schemes.split(","):
         queue = ctx.Queue()
-        proc = ctx.Process(
-            target=_main,
-            args=(
-                queue,
-                scheme,
-                args.model,
-                args.layers,
-                args.batch,
-                args.seq_len,
-                args.steps,
-                args.device,
-            ),  # fmt: skip
-        )
-        proc.start()
+        measured = (scheme, args.model, args.layers, args.batch, args.seq_len, args.steps,
+                    args.device, args.world)  # fmt: skip
+        port = 29400 + SCHEMES.index(scheme)
+        procs = [
+            ctx.Process(target=_rank_main, args=(rank, port, queue, *measured))
+            if args.world > 1
+            else ctx.Process(target=_main, args=(queue, *measured))
+            for rank in range(args.world)
+        ]
+        for proc in procs:
+            proc.start()
         result = queue.get()
-        proc.join()
+        for proc in procs:
+            proc.join()
         if "error" in result:
             print(f"| {scheme} | failed: {result['error'].strip().splitlines()[-1]} |")
             continue

@@ -70,10 +70,19 @@ if [ "${PRECISION:-1}" != 0 ]; then
   "$PY" -m bench.precision --device cuda --model llama3:8b --layers 4 --batch 2 --seq-len 4096 \
     --schemes lora,qlora 2>&1 | tee "$LOGS/precision_qlora.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # FP8 routed experts (torchao's FP8 grouped GEMM, sm90+): output and gradients against bf16.
+  "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_float8_experts.py 2>&1 \
+    | tee "$LOGS/float8_experts.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     MODULE=temper.recipes.llama3 CONFIG=llama3_debug NGPU=2 ./run_train.sh --training.steps 4 \
       --parallelism.fsdp_cpu_offload --checkpoint.enable --checkpoint.interval 2 \
       --job.dump_folder "$LOGS/offload" 2>&1 | tee "$LOGS/offload.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # QLoRA with the NF4 base sharded by FSDP2 over NCCL, saved and resumed.
+    MODULE=temper.recipes.precision CONFIG=sft_debug_qlora NGPU=2 ./run_train.sh \
+      --training.steps 4 --checkpoint.enable --checkpoint.interval 2 \
+      --job.dump_folder "$LOGS/qlora_fsdp" 2>&1 | tee "$LOGS/qlora_fsdp.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
 fi

@@ -32,6 +32,7 @@ from temper.checkpoint.metadata import (
     read_metadata,
     run_structure,
 )
+from temper.checkpoint.reader import read_dcp_metadata
 from temper.checkpoint.streaming import (
     MODEL_PREFIX,
     checkpoint_meta_model,
@@ -54,9 +55,10 @@ from temper.models.hf import (
     hf_weight_readers,
     write_hf_config,
 )
-from temper.models.lora import merge_lora
+from temper.models.lora import lora_modules, merge_lora
 from temper.models.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_streaming
 from temper.quantize import quantize_lora_base, write_quantization
+from temper.quantize.nf4 import RowShardedNF4Planner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -86,10 +88,14 @@ def load_checkpoint_model(checkpoint: Path) -> nn.Module:
     """The model a checkpoint describes, with its weights, on the CPU, LoRA adapters merged
     into their base weights (W + scale * B A, as the HF folder holds them)."""
     model = materialize(checkpoint_meta_model(checkpoint), "cpu")
+    planner = None
     if _nf4_base(read_metadata(checkpoint)):
-        quantize_lora_base(model)  # the checkpoint holds NF4 codes and scales
+        # The checkpoint holds NF4 codes and scales, split in rows where FSDP2 saved them.
+        shards = _nf4_row_shards(checkpoint, model)
+        quantize_lora_base(model, shards)
+        planner = RowShardedNF4Planner()
     manager = CheckpointManager(checkpoint.parent, keep_latest_k=0, async_mode=False)
-    manager.load(checkpoint, {"model": get_model_state_dict(model)})
+    manager.load(checkpoint, {"model": get_model_state_dict(model)}, planner)
     return merge_lora(model)
 
 
@@ -186,6 +192,15 @@ def dcp_to_hf(
         (output / name).write_text(text)
     if metadata.get("qat"):
         write_quantization(output, metadata["qat"])  # load_quantized reads it
+
+
+def _nf4_row_shards(checkpoint: Path, model: nn.Module) -> int:
+    """The row shards the checkpoint holds each NF4 base in: the FSDP2 degree it was saved
+    at, 1 for one process."""
+    saved = read_dcp_metadata(checkpoint).state_dict_metadata
+    names = {id(m): name for name, m in model.named_modules()}
+    keys = [f"{MODEL_PREFIX}{names[id(m)]}.weight" for m in lora_modules(model)]
+    return max((len(saved[key].chunks) for key in keys), default=1)
 
 
 def _nf4_base(metadata: dict) -> bool:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.planner import LoadPlanner, WriteItem
 
 from temper.checkpoint.integrity import MANIFEST_FILE, IncompleteCheckpoint, manifest_text, verify
 from temper.checkpoint.metadata import METADATA_FILE, read_metadata
@@ -154,9 +154,12 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         pending.result()
 
-    def load(self, step: int | Path, state: dict[str, Any]) -> dict[str, Any]:
+    def load(
+        self, step: int | Path, state: dict[str, Any], planner: LoadPlanner | None = None
+    ) -> dict[str, Any]:
         """Fill the tensors of `state` in place from a checkpoint (a step or a folder) and
-        return the full state with the checkpoint's non-tensor values.
+        return the full state with the checkpoint's non-tensor values; `planner`: DCP's
+        load planner, when the default cannot place a tensor (QLoRA's sharded NF4 base).
 
         Keys absent from `state` are not read, so a model-only state loads the weights
         of a full checkpoint. Sharded tensors are resharded to the current layout.
@@ -164,7 +167,7 @@ class CheckpointManager:
         folder = step if isinstance(step, Path) else checkpoint_dir(self.root, step)
         verify(folder)
         tensors, _ = split_tensors(state)
-        dcp.load(tensors, storage_reader=CheckpointReader(folder))
+        dcp.load(tensors, storage_reader=CheckpointReader(folder), planner=planner)
         skeleton = json.loads((folder / STATE_FILE).read_text())
         return join_tensors(_select(skeleton, state), tensors)
 

@@ -385,6 +385,9 @@ class Float8:
     tests and debugging."""
     fsdp_all_gather: bool = False
     """tensorwise under FSDP2: all-gather the weights as float8 (half the bytes of bf16)."""
+    moe_experts: bool = False
+    """The routed experts' grouped GEMMs in FP8 too (torchao's rowwise FP8 grouped GEMM),
+    with or without enable. CUDA sm90+ (H100, H200) only: torchao has no emulation of it."""
 
 
 @dataclass

@@ -49,6 +49,19 @@ def apply_float8(model: nn.Module, config: Float8) -> list[str]:
 
 
 @register_rule
+def _check_float8_experts(config: Config, world_size: int) -> None:
+    if not config.quantize.float8.moe_experts:
+        return
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        found = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+        raise ConfigError(
+            "quantize.float8.moe_experts runs torchao's FP8 grouped GEMM, which needs an NVIDIA "
+            f"GPU of compute capability 9.0+ (H100, H200); found {found}. It has no emulation "
+            "(quantize.float8.emulate covers the linear layers only)"
+        )
+
+
+@register_rule
 def _check_float8(config: Config, world_size: int) -> None:
     float8 = config.quantize.float8
     if not float8.enable:

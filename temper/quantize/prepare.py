@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from temper.config import Config
+from temper.config import Config, ConfigError
 from temper.quantize.float8 import apply_float8
+from temper.quantize.float8_experts import apply_float8_experts
 from temper.quantize.nf4 import quantize_lora_base
 from temper.quantize.qat import prepare_qat
 
@@ -15,6 +16,11 @@ def prepare_model(model: nn.Module, config: Config) -> None:
     parallelization, so FSDP2 shards the swapped layers (and their float8 all-gather)."""
     if config.quantize.float8.enable:
         apply_float8(model, config.quantize.float8)
+    if config.quantize.float8.moe_experts and not apply_float8_experts(model):
+        raise ConfigError(
+            f"quantize.float8.moe_experts: {config.model.hf_path or config.model.name} has no "
+            "routed experts with grouped GEMMs (GroupedExperts)"
+        )
     if config.qat.enable:
         prepare_qat(model, config.qat)
 

@@ -37,7 +37,8 @@ def sft_debug_qat() -> Config:
 
 
 def sft_debug_qlora() -> Config:
-    """Chat SFT with LoRA adapters over an NF4 base (QLoRA; one process)."""
+    """Chat SFT with LoRA adapters over an NF4 base (QLoRA); with NGPU=2 (or more) FSDP2 shards
+    the NF4 base by rows."""
     config = sft_debug()
     config.job.dump_folder = "./outputs/sft_debug_qlora"
     config.lora.enable = True

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.attention.varlen  # noqa: F401  (registers the varlen op looked up below)
+from torch import nn
 
 # Intercepting aten calls (layout-invariant random init), and the type of the ops it sees.
 # Checked: 2.11, 2.13; no public module holds them in these versions.
@@ -131,6 +132,29 @@ def restore_fsdp_reshard_states(unit: FSDPModule, states: list[Any]) -> None:
         group.post_forward_mesh_info = state
 
 
+def replace_fsdp_sharded_param(model: nn.Module, module: nn.Module, name: str, param: Any) -> None:
+    """Make ``param`` (a DTensor whose local tensor is this rank's shard, in the shape FSDP2
+    gave the old one) the sharded parameter ``module.<name>`` of the FSDP2 unit that manages
+    it, including a local tensor subclass with FSDP2's all-gather extensions (torchao's
+    NF4Tensor). FSDP2 swaps parameters only via ``load_state_dict(assign=True)`` for the same
+    tensor type and reads the extensions once, in its private ``FSDPParam``; this sets both.
+    Checked: 2.11, 2.13 (tests/distributed/test_qlora_fsdp.py ran on both)."""
+    for unit in model.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        for group in _param_groups(unit):
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                if info.module is module and info.param_name == name:
+                    setattr(module, name, param)
+                    # A subclass's storage cannot be compared with the old plain shard's.
+                    fsdp_param._sharded_param_data = param._local_tensor.view(-1)
+                    fsdp_param.reset_sharded_param()
+                    fsdp_param._init_extensions()
+                    return
+    raise ValueError(f"no FSDP2 unit of the model manages {name} of {type(module).__name__}")
+
+
 def _param_groups(unit: FSDPModule) -> list[Any]:
     state = unit._get_fsdp_state()
     if hasattr(state, "_fsdp_param_groups"):  # 2.13: a list of groups
@@ -159,6 +183,7 @@ __all__ = [
     "outside_dispatch_modes",
     "init_fake_process_group",
     "record_memory_history",
+    "replace_fsdp_sharded_param",
     "restore_fsdp_reshard_states",
     "sharded_dim",
     "varlen_attention_op",

@@ -17,6 +17,7 @@ from temper.models import build_model
 from temper.models.lora import apply_lora, init_lora, lora_modules
 from temper.optim.low_bit import tensor_bytes
 from temper.quantize import quantize_lora_base
+from temper.quantize.nf4 import scaler_block
 from temper.recipes.llama3 import llama3_debug
 from temper.utils.device import Runtime
 
@@ -77,15 +78,33 @@ def test_the_base_takes_an_eighth_of_fp32s_bytes() -> None:
     assert after == values * (0.5 + 1 / 64 + 4 / (64 * 256)) + tensors * (16 + 1) * 4
 
 
-def test_qlora_is_refused_without_lora_or_on_several_processes() -> None:
+def test_qlora_is_refused_without_lora_or_beside_other_parallelism() -> None:
     config = llama3_debug()
     config.lora.quantize_base = "nf4"
     with pytest.raises(ConfigError, match="lora.quantize_base nf4 quantizes LoRA's frozen base"):
         config.validate(1)
     config.lora.enable = True
     config.validate(1)
-    with pytest.raises(ConfigError, match="runs on one process"):
+    config.validate(2)  # FSDP2 shards the NF4 base
+    for field in ("dp_replicate", "sp"):  # (ep needs an MoE model, refused before)
+        other = copy.deepcopy(config)
+        setattr(other.parallelism, field, 2)
+        with pytest.raises(ConfigError, match=f"parallelism.{field} 2 is not supported with it"):
+            other.validate(4)
+    config.parallelism.fsdp_cpu_offload = True
+    with pytest.raises(ConfigError, match="with parallelism.fsdp_cpu_offload is not supported"):
         config.validate(2)
+
+
+def test_scaler_blocks_split_evenly_into_fsdp_shards() -> None:
+    """FSDP2 splits an NF4 tensor by rows into its codes, scales and scale factors: each
+    shard must hold whole blocks of 64 values and whole second-level blocks of scales."""
+    assert scaler_block(torch.empty(128, 256)) == 256  # 512 scales: 2 blocks of 256
+    assert scaler_block(torch.empty(128, 256), shards=2) == 256
+    assert scaler_block(torch.empty(128, 256), shards=4) == 128
+    assert scaler_block(torch.empty(64, 64), shards=8) == 8
+    assert scaler_block(torch.empty(6, 64), shards=4) is None  # rows do not split
+    assert scaler_block(torch.empty(4, 40)) is None  # 160 values: not whole blocks of 64
 
 
 @pytest.mark.slow
