@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from temper.kernels.attention import Backend, DocumentMask
+from temper.kernels.causal_conv import causal_conv
 from temper.kernels.gated_delta import gated_delta_rule, recurrent_gated_delta_rule
 from temper.models.layers.init import init_linear
 from temper.models.layers.kv_cache import LayerCache
@@ -180,21 +181,6 @@ def gated_delta_mix(
     rule = recurrent_gated_delta_rule if q.shape[1] == 1 else gated_delta_rule
     out, cache.state = rule(q, k, v, g, beta, cache.state)
     return out
-
-
-def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None
-) -> torch.Tensor:
-    """silu(depthwise causal convolution) of x [b, s, c] with weight [c, kernel]: output t sees
-    inputs t - kernel + 1 .. t, zeros before the start, or ``window`` [b, kernel - 1, c] (the
-    last inputs of an earlier call, see ``next_window``)."""
-    c, kernel = weight.shape
-    w = weight[:, None].to(x.dtype)
-    if window is None:
-        out = F.conv1d(x.transpose(1, 2), w, padding=kernel - 1, groups=c)[..., : x.shape[1]]
-    else:
-        out = F.conv1d(torch.cat([window.to(x.dtype), x], dim=1).transpose(1, 2), w, groups=c)
-    return F.silu(out).transpose(1, 2).contiguous()
 
 
 def next_window(x: torch.Tensor, window: torch.Tensor | None, kernel: int) -> torch.Tensor:
