@@ -68,9 +68,7 @@ class _CausalConv(torch.autograd.Function):
         w = weight.to(x.dtype)
         kernel = w.shape[1]
         padded = torch.cat([window, x], dim=1)
-        pre = _shifted_sum(padded, w)
-        gate = torch.sigmoid(pre)
-        grad_pre = grad * gate * (1 + pre * (1 - gate))  # silu'(y) = s(y) (1 + y (1 - s(y)))
+        grad_pre = torch.ops.aten.silu_backward(grad, _shifted_sum(padded, w))
         # Input t' received w[:, i] * x[t'] in output t' - i: the sum over i of the gradient
         # shifted back, i.e. the same shifted sum over the gradient padded on the right with
         # the weight's taps reversed.
