@@ -94,10 +94,13 @@ def chunk_gated_delta_rule(
     chunk_decay = gamma[..., -1].exp()[..., None, None]
     state = q.new_zeros(b, h, d_k, v.shape[-1]) if initial_state is None else initial_state.to(q)
     outs = []
-    for i in range(n):
-        v_new = u[:, :, i] - w[:, :, i] @ state
-        outs.append(q_decayed[:, :, i] @ state + scores[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].mT @ v_new
+    # unbind, not indexing: backward stacks the chunks' gradients once, where each index
+    # would add a zero tensor the size of all chunks (quadratic in the chunk count).
+    per_chunk = (t.unbind(2) for t in (u, w, q_decayed, scores, chunk_decay, k_to_end))
+    for u_i, w_i, q_i, scores_i, decay_i, k_i in zip(*per_chunk, strict=True):
+        v_new = u_i - w_i @ state
+        outs.append(q_i @ state + scores_i @ v_new)
+        state = state * decay_i + k_i.mT @ v_new
     out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :s]
     return out.transpose(1, 2).to(dtype), state
 

@@ -22,8 +22,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from temper.kernels.attention import Backend, DocumentMask
+from temper.kernels.causal_conv import causal_conv
 from temper.kernels.gated_delta import gated_delta_rule, recurrent_gated_delta_rule
 from temper.models.layers.init import init_linear
 from temper.models.layers.kv_cache import LayerCache
@@ -154,7 +156,30 @@ def gated_delta_mix(
 ) -> torch.Tensor:
     """Convolution and gated delta rule on whole sequences of heads' part ``part`` of
     ``parts`` (all heads by default): q, k [b, s, n_k', d_k], v [b, s, n_v', d_v], b, a
-    [b, s, n_v'] -> [b, s, n_v', d_v]."""
+    [b, s, n_v'] -> [b, s, n_v', d_v].
+
+    Under autograd it saves only its inputs and runs again in backward: what it would keep
+    (the convolution's output, the normalized and head-repeated q and k, the chunked rule's
+    decays, triangular systems, solutions and per-chunk states) is about nine times the
+    size of q, k and v, and recomputing it costs one forward of this function, a small part
+    of the layer's step. Deterministic ops only, so the recomputation is exact."""
+    if cache is None and torch.is_grad_enabled():
+        return checkpoint(_mix, layer, q, k, v, b, a, docs, None, part, parts, use_reentrant=False)
+    return _mix(layer, q, k, v, b, a, docs, cache, part, parts)
+
+
+def _mix(
+    layer: GatedDeltaNet,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    docs: DocumentMask | None,
+    cache: LayerCache | None,
+    part: int,
+    parts: int,
+) -> torch.Tensor:
     conv, A_log, dt_bias = layer.head_params(part, parts)
     n_k, d_k = q.shape[2:]
     n_v, d_v = v.shape[2:]
@@ -180,21 +205,6 @@ def gated_delta_mix(
     rule = recurrent_gated_delta_rule if q.shape[1] == 1 else gated_delta_rule
     out, cache.state = rule(q, k, v, g, beta, cache.state)
     return out
-
-
-def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None
-) -> torch.Tensor:
-    """silu(depthwise causal convolution) of x [b, s, c] with weight [c, kernel]: output t sees
-    inputs t - kernel + 1 .. t, zeros before the start, or ``window`` [b, kernel - 1, c] (the
-    last inputs of an earlier call, see ``next_window``)."""
-    c, kernel = weight.shape
-    w = weight[:, None].to(x.dtype)
-    if window is None:
-        out = F.conv1d(x.transpose(1, 2), w, padding=kernel - 1, groups=c)[..., : x.shape[1]]
-    else:
-        out = F.conv1d(torch.cat([window.to(x.dtype), x], dim=1).transpose(1, 2), w, groups=c)
-    return F.silu(out).transpose(1, 2).contiguous()
 
 
 def next_window(x: torch.Tensor, window: torch.Tensor | None, kernel: int) -> torch.Tensor:
