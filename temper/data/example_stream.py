@@ -9,7 +9,7 @@ own documents.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,3 +65,32 @@ class ExampleStream:
             self._epoch += 1
             self._next = 0
             self._order = self._permutation(self._epoch)
+        self._row += 1
+        return row
+
+    def __iter__(self) -> Iterator[Row]:
+        while True:
+            for _ in range(self.dp_rank):
+                self._next_global_row()
+            row = self._next_global_row()
+            for _ in range(self.dp_world - 1 - self.dp_rank):
+                self._next_global_row()
+            yield row
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global": True,
+            "epoch": self._epoch,
+            "next": self._next,
+            "row": self._row,
+            "examples": len(self.examples),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("examples") != len(self.examples):
+            raise ValueError(
+                f"dataset state was saved for {state.get('examples')} examples, this data has "
+                f"{len(self.examples)}; the data changed since the checkpoint"
+            )
+        self._epoch, self._next, self._row = state["epoch"], state["next"], state["row"]
+        self._order = self._permutation(self._epoch)

@@ -301,7 +301,13 @@ def is_image_data(data: Data) -> bool:
     parts (list contents)."""
     if data.format != "sft":
         return False
-    return data.builtin_images if data.path is None else has_image_parts(data.path)
+    if data.path is None:
+        return data.builtin_images
+    # A missing or malformed file is not taken for image data: the source check names it.
+    try:
+        return Path(data.path).is_file() and has_image_parts(data.path)
+    except ValueError:
+        return False
 
 
 def build_validation_loader(
