@@ -2,12 +2,16 @@
 
 A run's rows come from ``lanes`` independent lanes, as many as the rows of one optimizer
 step over all data-parallel ranks. Lane ``j`` reads positions ``j, j + lanes, j + 2 lanes,
-...`` of each source's global order and packs them itself; rank ``r`` of ``dp_world`` owns a
-contiguous block of ``lanes / dp_world`` lanes and yields one row of each in turn. So:
+...`` of each source's global order and packs them itself; rank ``r`` of ``dp_world`` owns
+lanes ``r, r + dp_world, r + 2 dp_world, ...`` and yields one row of each in turn. So:
 
 * Each rank reads, parses and tokenizes only its own documents: 1/dp of the stream.
 * A step's global batch (every lane's next row) is the same at any data-parallel size and
-  any gradient accumulation, so layouts train on the same data.
+  any gradient accumulation, and so is each global micro-batch: the ``m``-th micro-batches
+  of ``b`` rows of all ranks are lanes ``m * b * dp_world`` to ``(m + 1) * b * dp_world - 1``,
+  the ones a single process with micro-batches of ``b * dp_world`` rows takes. So layouts
+  train on the same data, micro-batch by micro-batch (a loss that is not a sum over tokens,
+  as MoE load balancing, sees the same rows together).
 * The state is per lane (its counters and its packer's leftover tokens), never per rank:
   gathered from all ranks (``merge_states``), it resumes at any ``dp_world`` that divides
   ``lanes``, with no document repeated or skipped.
@@ -206,8 +210,7 @@ class LaneStream:
         self.orders = [
             Order(s.num_records, format.shuffle, seed + 7919 * i) for i, s in enumerate(sources)
         ]
-        per_rank = lanes // dp_world
-        self._lanes = [Lane(self, j) for j in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
+        self._lanes = [Lane(self, j) for j in range(dp_rank, lanes, dp_world)]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
