@@ -2,11 +2,11 @@
 
 The debug recipe at half its learning rate, fp32, random init, 5 steps of 8 sequences of 32
 tokens: twice its 16-token window, so the sliding layers drop keys and Ulysses' ranks see
-windows that cross the sequence split. Each layout's losses and gradient norms are within 1e-5 of one process
-training the same global micro-batch (the load-balancing loss is not a sum over tokens, so EP
-and FSDP, whose global micro-batch is all 8 sequences, compare with one micro-batch of 8, and
-SP 2 (also with EP 2 over the same two ranks), which accumulates two micro-batches of 4, with
-one process doing the same).
+windows that cross the sequence split. Each layout's losses and gradient norms are within 1e-5
+of one process training the same global micro-batch (the load-balancing loss is not a sum over
+tokens, so EP and FSDP, whose global micro-batch is all 8 sequences, compare with one
+micro-batch of 8, and SP 2 (also with EP 2 over the same two ranks), which accumulates two
+micro-batches of 4, with one process doing the same).
 """
 
 from __future__ import annotations
