@@ -266,6 +266,7 @@ def _loader(
         lanes=rows_per_step(config, dp_world),
         dp_rank=dp_rank,
         dp_world=dp_world,
+        micro_batch=config.training.local_batch_size,
         seed=config.training.seed,
     )
     return BatchLoader(stream, config.training.local_batch_size, sum_counts)

@@ -2,16 +2,19 @@
 
 A run's rows come from ``lanes`` independent lanes, as many as the rows of one optimizer
 step over all data-parallel ranks. Lane ``j`` reads positions ``j, j + lanes, j + 2 lanes,
-...`` of each source's global order and packs them itself; rank ``r`` of ``dp_world`` owns
-lanes ``r, r + dp_world, r + 2 dp_world, ...`` and yields one row of each in turn. So:
+...`` of each source's global order and packs them itself. The lanes are laid out as a
+step's micro-batches: with ``b`` rows per micro-batch and rank, the ``m``-th global
+micro-batch is lanes ``m * G`` to ``(m + 1) * G - 1`` (``G = b * dp_world``), of which rank
+``r`` owns the ``b`` from ``m * G + r * b``; a rank yields one row of each of its lanes in
+turn. So:
 
 * Each rank reads, parses and tokenizes only its own documents: 1/dp of the stream.
 * A step's global batch (every lane's next row) is the same at any data-parallel size and
-  any gradient accumulation, and so is each global micro-batch: the ``m``-th micro-batches
-  of ``b`` rows of all ranks are lanes ``m * b * dp_world`` to ``(m + 1) * b * dp_world - 1``,
-  the ones a single process with micro-batches of ``b * dp_world`` rows takes. So layouts
-  train on the same data, micro-batch by micro-batch (a loss that is not a sum over tokens,
-  as MoE load balancing, sees the same rows together).
+  any gradient accumulation, and so is each global micro-batch, rows in order: the ranks'
+  ``m``-th micro-batches, one after another, are a single process's ``m``-th micro-batch of
+  ``G`` rows. So layouts train on the same data micro-batch by micro-batch (a loss that is
+  not a sum over tokens, as MoE load balancing, sees the same rows together), and a rank's
+  share of it is a slice of the single process's.
 * The state is per lane (its counters and its packer's leftover tokens), never per rank:
   gathered from all ranks (``merge_states``), it resumes at any ``dp_world`` that divides
   ``lanes``, with no document repeated or skipped.
@@ -189,12 +192,21 @@ class LaneStream:
         lanes: int = 1,
         dp_rank: int = 0,
         dp_world: int = 1,
+        micro_batch: int | None = None,
         seed: int = 0,
     ) -> None:
+        """``micro_batch``: rows per micro-batch on one rank; None for one micro-batch a step
+        (``lanes / dp_world``)."""
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"need 0 <= dp_rank < dp_world, got {dp_rank} and {dp_world}")
         if lanes < 1 or lanes % dp_world:
             raise ValueError(f"{lanes} lanes do not split over {dp_world} data-parallel ranks")
+        micro_batch = micro_batch or lanes // dp_world
+        if lanes % (micro_batch * dp_world):
+            raise ValueError(
+                f"{lanes} lanes do not make micro-batches of {micro_batch} rows on each of "
+                f"{dp_world} data-parallel ranks"
+            )
         weights = list(weights or [1.0] * len(sources))
         if len(weights) != len(sources) or not all(w > 0 for w in weights):
             raise ValueError(f"source weights must be positive, one per source; got {weights}")
@@ -210,7 +222,12 @@ class LaneStream:
         self.orders = [
             Order(s.num_records, format.shuffle, seed + 7919 * i) for i, s in enumerate(sources)
         ]
-        self._lanes = [Lane(self, j) for j in range(dp_rank, lanes, dp_world)]
+        group = micro_batch * dp_world  # lanes of one global micro-batch
+        self._lanes = [
+            Lane(self, start + dp_rank * micro_batch + i)
+            for start in range(0, lanes, group)
+            for i in range(micro_batch)
+        ]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:

@@ -208,16 +208,14 @@ def _ranks(
 
 
 def _steps(ranks: list[LaneStream], steps: int) -> list[list[list[int]]]:
-    """``steps`` global batches in lane order: rank ``r``'s ``k``-th row of a step is lane
-    ``r + k * world``, so the ranks' rows taken in turn."""
+    """``steps`` global batches: each rank's rows of its lanes, in rank order."""
     iterators = [iter(rank) for rank in ranks]
     per_rank = len(ranks[0]._lanes)
     batches = []
     for _ in range(steps):
         batch = []
-        for _ in range(per_rank):
-            for rows in iterators:
-                row = next(rows)
+        for rows in iterators:
+            for row in itertools.islice(rows, per_rank):
                 batch.append([*row["input_ids"].tolist(), row["labels"][-1].item()])
         batches.append(batch)
     return batches
@@ -241,19 +239,29 @@ def test_each_rank_reads_only_its_documents_and_the_batches_match(
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_global_micro_batches_match_one_process(builtin: Tokenizer, world: int) -> None:
-    """With gradient accumulation, the ranks' m-th micro-batches together hold the rows of a
-    single process's m-th micro-batch (the same global batch split the same way): what layout
-    parity compares, and what a loss that is not a sum over tokens (MoE balancing) needs."""
-    lanes, per_rank = 8, 2  # micro-batches of 2 rows per rank; 8 / (2 * world) of them a step
-    alone = BatchLoader(_ranks(builtin, 1, Counter(), lanes=lanes)[0], per_rank * world)
-    ranks = [
-        BatchLoader(_ranks(builtin, world, Counter(), lanes=lanes)[r], per_rank)
-        for r in range(world)
-    ]
-    iterators = [iter(rank) for rank in ranks]
-    for want in itertools.islice(alone, 3 * lanes // (per_rank * world)):
-        got = torch.cat([next(rows)["input_ids"] for rows in iterators])
-        assert sorted(got.tolist()) == sorted(want["input_ids"].tolist())
+    """With gradient accumulation, the ranks' m-th micro-batches one after another are a
+    single process's m-th micro-batch, rows in order: what layout parity compares, and what a
+    loss that is not a sum over tokens (MoE balancing) needs."""
+    from temper.data.sources import SyntheticSource
+    from temper.data.text import TextFormat
+
+    def loader(rank: int, world: int, micro_batch: int) -> BatchLoader:
+        stream = LaneStream(
+            [SyntheticSource(0)],
+            TextFormat(builtin, 16),
+            lanes=8,
+            dp_rank=rank,
+            dp_world=world,
+            micro_batch=micro_batch,
+        )
+        return BatchLoader(stream, micro_batch)
+
+    per_rank = 4 // world  # micro-batches of 4 rows over all ranks: 2 a step
+    alone = loader(0, 1, 4)
+    ranks = [iter(loader(r, world, per_rank)) for r in range(world)]
+    for want in itertools.islice(alone, 6):
+        got = torch.cat([next(rows)["input_ids"] for rows in ranks])
+        assert torch.equal(got, want["input_ids"])
 
 
 def test_resume_at_one_then_two_then_four_ranks(builtin: Tokenizer) -> None:
@@ -381,9 +389,9 @@ def test_mixing_resumes_exactly_at_another_world_size() -> None:
         rank.load_state_dict(first.state_dict())
     iterators = [iter(rank) for rank in ranks]
     tail = []
-    for _ in range(8):  # 4 steps of 4 lanes: rank r's k-th row of a step is lane r + 2 k
+    for _ in range(4):  # 4 steps of 4 lanes: 2 rows per rank each
         for rows in iterators:
-            tail.append(next(rows)["input_ids"])
+            tail += [row["input_ids"] for row in itertools.islice(rows, 2)]
     assert all(torch.equal(a, b) for a, b in zip(head + tail, reference, strict=True))
     merged = merge_states([rank.state_dict() for rank in ranks])
     assert merged == {**straight.state_dict(), "lane": merged["lane"]}
