@@ -383,10 +383,11 @@ def check_data_config(config: Config, world_size: int) -> None:
 
 def validation_prompts(
     config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int
-) -> list[tuple[list[int], str]]:
+) -> list[tuple[list[int], dict]]:
     """This rank's share of the first ``validation.generate`` held-out records as (rendered
-    prompt ids, reference answer): rank ``r`` takes records ``r, r + dp_world, ...``. An sft
-    record's answer is its last message, which must be the assistant's."""
+    prompt ids, prompt record, its reference under ``"answer"``, as rewards take it): rank
+    ``r`` takes records ``r, r + dp_world, ...``. An sft record's answer is its last message,
+    which must be the assistant's."""
     data = config.data
     template = load_chat_template(data.chat_template, data.tokenizer_path or config.model.hf_path)
     sources = _sources(config, tokenizer, "validation").sources

@@ -79,12 +79,12 @@ def test_validation_leaves_training_alone_and_measures_held_out_records(tmp_path
     tokenizer = engine.tokenizer
     prompts = validation_prompts(config, tokenizer, 0, 1)
     held_out = CONVERSATIONS[30:34]
-    assert [answer for _, answer in prompts] == [c[1]["content"] for c in held_out]
+    assert [record["answer"] for _, record in prompts] == [c[1]["content"] for c in held_out]
     for (ids, _), conversation in zip(prompts, held_out, strict=True):
         text = render_chat(BUILTIN_TEMPLATE, conversation[:1], True, **tokenizer.special_tokens)
         assert ids == tokenizer.encode(text)
     second_rank = validation_prompts(config, tokenizer, 1, 2)
-    assert [a for _, a in second_rank] == [c[1]["content"] for c in held_out[1::2]]
+    assert [r["answer"] for _, r in second_rank] == [c[1]["content"] for c in held_out[1::2]]
     answers = greedy_answers(
         engine.model,
         [ids for ids, _ in prompts],
@@ -92,5 +92,8 @@ def test_validation_leaves_training_alone_and_measures_held_out_records(tmp_path
         max_new_tokens=8,
         stop_tokens=stop_token_ids(tokenizer, BUILTIN_TEMPLATE),
     )
-    hits = [got.strip() == want.strip() for got, (_, want) in zip(answers, prompts, strict=True)]
+    hits = [
+        got.strip() == record["answer"].strip()
+        for got, (_, record) in zip(answers, prompts, strict=True)
+    ]
     assert rows[-1]["val_exact_match"] == pytest.approx(sum(hits) / 4)
