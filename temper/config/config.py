@@ -142,9 +142,35 @@ class LRScheduler:
 
 
 @dataclass
+class DataSource:
+    """One source of ``data.sources``: a path of any kind ``data.path`` takes, its weight and
+    its own field names."""
+
+    path: str = ""
+    """A file (.txt, .jsonl, .jsonl.gz, .parquet, .tokens), an Arrow folder or a folder of
+    files."""
+    weight: float = 1.0
+    """Share of the documents drawn from this source: weight / sum of weights."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """The format's field -> this source's column, where they differ (e.g. messages ->
+    conversations); text defaults to data.text_field."""
+    name: str = ""
+    """Label of its logged counts (data_<name>_documents, data_<name>_tokens); "" = the
+    file or folder name."""
+
+
+@dataclass
 class Data:
     path: str | None = None
-    """A .txt or .jsonl file, or a folder of them; None = the built-in synthetic tasks."""
+    """A file (.txt, .jsonl, .jsonl.gz, .parquet, .tokens pretokenized), an Arrow dataset
+    folder (save_to_disk) or a folder of files; None = the built-in tasks (see data.sources
+    to mix several)."""
+    sources: list[DataSource] = field(default_factory=list)
+    """Several sources mixed by weight (recipes set this list; flags override its items as
+    --data.sources.0.weight); when set, data.path must be None."""
+    isolate_documents: bool = False
+    """text: packed documents do not attend to or predict each other (per-document
+    position_ids with block-causal attention); else the stream runs across documents."""
     text_field: str = "text"
     """JSONL field holding a document's text."""
     tokenizer_path: str | None = None
@@ -170,6 +196,28 @@ class Data:
     builtin_images: bool = False
     """sft without a path: the built-in image task (a coloured shape, "shape?" or "colour?")
     instead of copy/sort; for vision-language models (qwen3_5_vl)."""
+
+
+@dataclass
+class Validation:
+    """A held-out loss during training: the objective's mean loss over a fixed set of
+    batches, laid out as training is, logged as val_loss."""
+
+    interval: int = 0
+    """Validate every N optimizer steps (and after the last); 0 = never."""
+    path: str | None = None
+    """Validation records (any kind data.path takes, in data.format); None = held out from
+    the training sources by validation.fraction, or the built-in tasks' eval split."""
+    fraction: float = 0.0
+    """With no validation.path: the last fraction of each training source's records is held
+    out of training and validated on."""
+    steps: int = 2
+    """Global batches (training.global_batch_size rows each) per validation."""
+    generate: int = 0
+    """sft/prompt data: also answer this many held-out prompts greedily and log the exact
+    match of the answers to the records' as val_exact_match (prompt data: only this)."""
+    max_new_tokens: int = 32
+    """Longest greedy answer of the generation check, in tokens."""
 
 
 @dataclass
@@ -465,6 +513,7 @@ class Config:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
     objective: ObjectiveConfig = field(default_factory=default_objective)
     lora: LoRA = field(default_factory=LoRA)
     metrics: Metrics = field(default_factory=Metrics)

@@ -34,8 +34,9 @@ from temper.data.chat import (
     read_jsonl,
     tokenize_chat,
 )
+from temper.data.example_stream import ExampleStream
 from temper.data.mrope_positions import document_mrope_positions
-from temper.data.sft import ExampleStream, Policy, pad_id, sample_labels
+from temper.data.sft import Policy, pad_id, sample_labels
 from temper.data.shapes import shape_records
 from temper.data.tokenizer import Tokenizer
 from temper.data.vision_tokens import IMAGE_PLACEHOLDER, VisionTokenIds, vision_token_ids

@@ -10,22 +10,17 @@ pair is truncated or dropped as a whole (``max_length_policy``) and counted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from temper.data.batch import IGNORE_INDEX
 from temper.data.chat import RecordError, check_messages, read_jsonl, tokenize_chat
-from temper.data.sft import (
-    ExampleStream,
-    Policy,
-    Row,
-    Sample,
-    pad_id,
-    prepare_samples,
-    sample_labels,
-)
+from temper.data.packing import RowPacker
+from temper.data.sft import Policy, Row, Sample, fit, pad_id, sample_labels
+from temper.data.sources import ListSource, Record
+from temper.data.stream import LaneStream
 from temper.data.tokenizer import Tokenizer
 
 Pair = tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]
@@ -40,19 +35,21 @@ def _turns(value: Any, where: str, field: str, role: str) -> list[dict[str, str]
     return check_messages(value, where, field)
 
 
+def record_pair(record: Record, where: str) -> Pair:
+    """The (prompt, chosen, rejected) messages of a record, or RecordError at ``where``."""
+    prompt = _turns(record.get("prompt"), where, "prompt", "user")
+    chosen = _turns(record.get("chosen"), where, "chosen", "assistant")
+    rejected = _turns(record.get("rejected"), where, "rejected", "assistant")
+    for field, answer in (("chosen", chosen), ("rejected", rejected)):
+        if not any(m["role"] == "assistant" for m in answer):
+            raise RecordError(f"{where}: {field!r} has no assistant message")
+    return prompt, chosen, rejected
+
+
 def read_preference_records(path: str, limit: int | None = None) -> list[Pair]:
     """The pairs of a JSONL file (the first ``limit``); a malformed record fails
     naming its file and line."""
-    pairs = []
-    for where, record in read_jsonl(path, limit):
-        prompt = _turns(record.get("prompt"), where, "prompt", "user")
-        chosen = _turns(record.get("chosen"), where, "chosen", "assistant")
-        rejected = _turns(record.get("rejected"), where, "rejected", "assistant")
-        for field, answer in (("chosen", chosen), ("rejected", rejected)):
-            if not any(m["role"] == "assistant" for m in answer):
-                raise RecordError(f"{where}: {field!r} has no assistant message")
-        pairs.append((prompt, chosen, rejected))
-    return pairs
+    return [record_pair(record, where) for where, record in read_jsonl(path, limit)]
 
 
 def _pad(sample: Sample, seq_len: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,17 +58,46 @@ def _pad(sample: Sample, seq_len: int, pad: int) -> tuple[torch.Tensor, torch.Te
     return torch.tensor(inputs + [pad] * n), torch.tensor(labels + [IGNORE_INDEX] * n)
 
 
-def _row_builder(
-    seq_len: int, pad: int
-) -> Callable[[Callable[[int], tuple[Sample, Sample] | None]], tuple[Row, int]]:
-    def build(peek: Callable[[int], tuple[Sample, Sample] | None]) -> tuple[Row, int]:
-        chosen, rejected = peek(0)
-        row = {}
-        for name, sample in (("chosen", chosen), ("rejected", rejected)):
-            row[f"{name}_input_ids"], row[f"{name}_labels"] = _pad(sample, seq_len, pad)
-        return row, 1
+def _row(pair: tuple[Sample, Sample], seq_len: int, pad: int) -> Row:
+    row = {}
+    for name, sample in zip(("chosen", "rejected"), pair, strict=True):
+        row[f"{name}_input_ids"], row[f"{name}_labels"] = _pad(sample, seq_len, pad)
+    return row
 
-    return build
+
+class PreferenceFormat:
+    """Records with ``prompt``, ``chosen`` and ``rejected`` to a pair of samples; a pair stays
+    whole: it is kept only if both of its answers are (see the module docstring)."""
+
+    required = (("prompt",), ("chosen",), ("rejected",))
+    shuffle = True
+
+    def __init__(
+        self, tokenizer: Tokenizer, template: str, seq_len: int, policy: Policy = "truncate"
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.seq_len = seq_len
+        self.policy = policy
+
+    def encode(self, record: Record, where: str) -> tuple[Any, str | None]:
+        prompt, good, bad = record_pair(record, where)
+        fitted, outcomes = [], []
+        for answer in (good, bad):
+            sample = tokenize_chat(self.tokenizer, self.template, prompt + answer)
+            kept, outcome = fit(sample, self.seq_len + 1, self.policy)
+            fitted.append(kept)
+            outcomes.append(outcome)
+        if None in fitted:
+            return None, "dropped"
+        return tuple(fitted), "truncated" if "truncated" in outcomes else None
+
+    def tokens(self, pair: tuple[Sample, Sample]) -> int:
+        return len(pair[0][0]) + len(pair[1][0])
+
+    def packer(self) -> RowPacker:
+        pad = pad_id(self.tokenizer)
+        return RowPacker(lambda reader: _row(reader.take(), self.seq_len, pad))
 
 
 def preference_dataset(
@@ -82,30 +108,17 @@ def preference_dataset(
     *,
     policy: Policy = "truncate",
     seed: int = 0,
+    lanes: int = 1,
     dp_rank: int = 0,
     dp_world: int = 1,
-) -> ExampleStream:
-    """The DPO row stream of ``pairs`` (see the module docstring)."""
-    chosen, rejected = [], []
-    for prompt, good, bad in pairs:
-        chosen.append(tokenize_chat(tokenizer, template, prompt + good))
-        rejected.append(tokenize_chat(tokenizer, template, prompt + bad))
-    # A pair stays whole: it is kept only if both of its answers are.
-    stats = {"truncated": 0, "dropped": 0}
-    kept = []
-    for c, r in zip(chosen, rejected, strict=True):
-        fitted_c, stats_c = prepare_samples([c], seq_len, policy)
-        fitted_r, stats_r = prepare_samples([r], seq_len, policy)
-        if fitted_c and fitted_r:
-            kept.append((fitted_c[0], fitted_r[0]))
-            stats["truncated"] += int(bool(stats_c["truncated"] or stats_r["truncated"]))
-        else:
-            stats["dropped"] += 1
-    return ExampleStream(
-        kept,
-        _row_builder(seq_len, pad_id(tokenizer)),
-        seed=seed,
+) -> LaneStream:
+    """The DPO row stream of in-memory ``pairs`` (see ``LaneStream`` for ``lanes``)."""
+    records = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in pairs]
+    return LaneStream(
+        [ListSource(records, "pairs")],
+        PreferenceFormat(tokenizer, template, seq_len, policy),
+        lanes=lanes,
         dp_rank=dp_rank,
         dp_world=dp_world,
-        stats=stats,
+        seed=seed,
     )

@@ -9,24 +9,11 @@ item changed, so the pair differs only where the task is done wrong. Examples ar
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Literal
 
-from temper.config import Config, Data
-from temper.data.chat import load_chat_template
-from temper.data.loader import BatchLoader, build_text_loader
-from temper.data.multimodal import (
-    build_image_dataset,
-    collate,
-    has_image_parts,
-    read_image_records,
-)
-from temper.data.preference import preference_dataset, read_preference_records
-from temper.data.prompts import PromptRecord, prompt_dataset, read_prompt_records
-from temper.data.sft import read_sft_records, sft_dataset
-from temper.data.sources import check_documents
+from temper.data.prompts import PromptRecord
+from temper.data.sources import ListSource
 from temper.data.synthetic import _copy, _sort
-from temper.data.tokenizer import Tokenizer
 
 Split = Literal["train", "eval"]
 _EVAL_OFFSET = 10_000_000
@@ -92,121 +79,15 @@ def task_prompts(seed: int, split: Split, count: int) -> list[PromptRecord]:
     return prompts
 
 
-def build_chat_loader(
-    data: Data,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    batch_size: int,
-    *,
-    seed: int,
-    dp_rank: int,
-    dp_world: int,
-    tokenizer_folder: str | None,
-) -> BatchLoader:
-    """The loader of an sft, preference or prompt run: the user's JSONL file, or the built-in
-    tasks' training split; the template comes from ``data.chat_template`` or the tokenizer
-    folder. Prompt rows are ``seq_len`` tokens wide: the room left for the prompt."""
-    if is_image_data(data):
-        dataset = build_image_dataset(
-            data,
-            tokenizer,
-            seq_len,
-            seed=seed,
-            dp_rank=dp_rank,
-            dp_world=dp_world,
-            folder=tokenizer_folder,
-        )
-        return BatchLoader(dataset, batch_size, collate)
-    template = load_chat_template(data.chat_template, tokenizer_folder)
-    common = dict(policy=data.max_length_policy, seed=seed, dp_rank=dp_rank, dp_world=dp_world)
-    if data.format == "sft":
-        conversations = (
-            read_sft_records(data.path)
-            if data.path is not None
-            else sft_conversations(seed, "train", data.builtin_examples)
-        )
-        dataset = sft_dataset(
-            conversations,
-            tokenizer,
-            template,
-            seq_len,
-            train_on_prompt=data.train_on_prompt,
-            pack=data.pack,
-            **common,
-        )
-    elif data.format == "prompt":
-        records = (
-            read_prompt_records(data.path)
-            if data.path is not None
-            else task_prompts(seed, "train", data.builtin_examples)
-        )
-        dataset = prompt_dataset(
-            records, tokenizer, template, seq_len, seed=seed, dp_rank=dp_rank, dp_world=dp_world
-        )
+def task_source(format: str, seed: int, split: Split, count: int) -> ListSource:
+    """The built-in tasks of a chat ``format`` (sft, preference, prompt) as records."""
+    if format == "sft":
+        records = [{"messages": c} for c in sft_conversations(seed, split, count)]
+    elif format == "preference":
+        records = [
+            {"prompt": p, "chosen": c, "rejected": r}
+            for p, c, r in preference_pairs(seed, split, count)
+        ]
     else:
-        pairs = (
-            read_preference_records(data.path)
-            if data.path is not None
-            else preference_pairs(seed, "train", data.builtin_examples)
-        )
-        dataset = preference_dataset(pairs, tokenizer, template, seq_len, **common)
-    return BatchLoader(dataset, batch_size)
-
-
-def check_data(data: Data, limit: int) -> None:
-    """Raise ValueError naming the file and line unless ``data.path`` exists and its first
-    ``limit`` records parse as ``data.format``: what a run would fail on, checked cheaply
-    before it starts."""
-    if data.path is None:
-        return
-    if data.format == "text":
-        check_documents(data.path, data.text_field, limit)
-        return
-    if not Path(data.path).is_file():
-        raise FileNotFoundError(
-            f"{data.path}: no such file (data.format {data.format} reads one JSONL file)"
-        )
-    if is_image_data(data):
-        read_image_records(data.path, limit)
-        return
-    readers = {
-        "sft": read_sft_records,
-        "preference": read_preference_records,
-        "prompt": read_prompt_records,
-    }
-    readers[data.format](data.path, limit)
-
-
-def is_image_data(data: Data) -> bool:
-    """SFT data with images: the built-in image task, or a file whose records hold image
-    parts (list contents)."""
-    if data.format != "sft":
-        return False
-    return data.builtin_images if data.path is None else has_image_parts(data.path)
-
-
-def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_world: int) -> BatchLoader:
-    """This data rank's batches for ``data.format``: packed text, or chat (sft, preference,
-    prompt) data. Prompt rows leave room for the completion the objective samples."""
-    training = config.training
-    if config.data.format == "text":
-        return build_text_loader(
-            tokenizer,
-            training.seq_len,
-            training.local_batch_size,
-            path=config.data.path,
-            text_field=config.data.text_field,
-            seed=training.seed,
-            dp_rank=dp_rank,
-            dp_world=dp_world,
-        )
-    return build_chat_loader(
-        config.data,
-        tokenizer,
-        training.seq_len - config.objective.completion_tokens(),
-        training.local_batch_size,
-        seed=training.seed,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        tokenizer_folder=config.data.tokenizer_path or config.model.hf_path,
-    )
+        records = [record for _, record in task_prompts(seed, split, count)]
+    return ListSource(records, f"builtin {format} {split}")

@@ -74,6 +74,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` of each text, tokenized in parallel by the Rust library's threads."""
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
 
 def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:
     if not path.is_file():

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from temper.checkpoint.adapter import read_peft_adapter
 from temper.config import Config, ConfigError, LoRA
 from temper.data.batch import Batch
-from temper.data.tasks import is_image_data
+from temper.data.loader import is_image_data
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
 from temper.kernels.dispatch import configure_kernels

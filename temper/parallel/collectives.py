@@ -4,6 +4,7 @@ rollout metrics."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,3 +38,25 @@ def combine_metrics(
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         count *= dist.get_world_size()
     return {n: peak[i] if n.endswith("_max") else total[i] / count for i, n in enumerate(names)}
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), by rank; ``[value]`` in a single process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def sum_over_data_ranks(
+    counts: Mapping[str, int], copies: int, device: torch.device
+) -> dict[str, int]:
+    """Counts summed over the data-parallel ranks, when each data rank's counts are held by
+    ``copies`` ranks alike (its sequence-parallel peers): world sum / copies. Exact integers:
+    the sum is taken in float64."""
+    names = sorted(counts)
+    values = torch.tensor([float(counts[n]) for n in names], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return {n: round(float(v) / copies) for n, v in zip(names, values, strict=True)}

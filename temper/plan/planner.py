@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from temper.config import Config, ConfigError, registered_rules
-from temper.data.tasks import check_data
+from temper.data.loader import check_data
 from temper.engine.engine import build_run_model, load_run_tokenizer
 from temper.models.layers.moe import MoE
 from temper.objectives import CausalLM
@@ -142,7 +142,7 @@ def config_errors(config: Config, world_size: int) -> list[str]:
     attempt(config.validate, world_size)
     for rule in registered_rules():
         attempt(rule, config, world_size)
-    attempt(lambda: check_data(config.data, 100))
+    attempt(lambda: check_data(config, load_run_tokenizer(config), 100))
     attempt(lambda: build_run_model(config, load_run_tokenizer(config)))
     return errors
 

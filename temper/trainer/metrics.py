@@ -81,9 +81,10 @@ def _open_metrics(path: Path, resume_step: int) -> IO[str]:
     return handle
 
 
-HEADLINE_METRICS = ("reward_mean", "accuracy", "reward_accuracy", "reward_margin")
+HEADLINE_METRICS = ("val_loss", "reward_mean", "accuracy", "reward_accuracy", "reward_margin")
 """An objective's metrics that the console line shows after the loss when present (GRPO's
-reward and sampled accuracy, DPO's reward accuracy and margin): its loss alone says little."""
+reward and sampled accuracy, DPO's reward accuracy and margin) and the validation loss: the
+training loss alone says little."""
 
 
 def format_line(record: dict[str, Any], total_steps: int | None = None) -> str:

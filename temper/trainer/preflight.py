@@ -9,7 +9,7 @@ from pathlib import Path
 
 from temper.config import Config, ConfigError
 from temper.data.chat import load_chat_template
-from temper.data.tasks import check_data
+from temper.data.loader import check_data
 from temper.engine import build_run_model, load_run_tokenizer
 from temper.engine.checkpointing import TrainCheckpointer
 from temper.engine.engine import read_initial_adapter
@@ -20,15 +20,12 @@ lines, and a large corpus is not read twice."""
 
 
 def preflight(config: Config) -> None:
-    """Raise ConfigError on the first bad input: an unwritable ``job.dump_folder``, data files
-    that are missing or whose first records do not parse, a missing chat template, a
+    """Raise ConfigError on the first bad input: an unwritable ``job.dump_folder``, a missing
+    chat template, data sources that are missing, lack a field, hold token ids beyond the
+    vocabulary, or whose first records do not parse, a
     tokenizer larger than the model's vocabulary, LoRA targets that match nothing (on the
     meta model), a checkpoint to resume or ``initial_load`` of another model."""
     check_writable(config.job.dump_folder)
-    try:
-        check_data(config.data, PREFLIGHT_RECORDS)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"data.path {config.data.path}: {error}") from None
     tokenizer = load_run_tokenizer(config)
     if config.data.format != "text":
         try:
@@ -37,6 +34,10 @@ def preflight(config: Config) -> None:
             )
         except (OSError, ValueError) as error:
             raise ConfigError(f"data.chat_template: {error}") from None
+    try:
+        check_data(config, tokenizer, PREFLIGHT_RECORDS)
+    except (OSError, ValueError) as error:
+        raise ConfigError(str(error)) from None
     model = build_run_model(config, tokenizer)
     if config.lora.enable and config.lora.initial_adapter is not None:
         read_initial_adapter(model, config.lora)

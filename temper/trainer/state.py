@@ -8,12 +8,17 @@ from typing import Any
 
 from temper.data.batch import Batch
 from temper.data.loader import BatchLoader
+from temper.data.stream import merge_states
+from temper.parallel.collectives import all_gather_objects
 from temper.trainer.rollout_buffer import Rollout, restore_rollout, rollout_state
 
 
 class TrainState:
     """Step, tokens seen, the loader's position and the current rollout: a ``Stateful`` that
     ``Engine.save`` writes and ``Engine.load`` restores.
+
+    Each data rank holds its own lanes of the stream; saving gathers them all, so the saved
+    position resumes at any data-parallel size (``temper.data.stream``).
 
     ``rollout`` (the micro-batches of the current RL rollout and their metrics) is kept for
     the ``updates_per_rollout`` steps that train on it. A checkpoint taken between two of
@@ -47,7 +52,7 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         state = {
-            "dataloader": self.loader.state_dict(),
+            "dataloader": merge_states(all_gather_objects(self.loader.state_dict())),
             "train_state": {
                 "step": self.step,
                 "tokens_seen": self.tokens_seen,

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +18,11 @@ from temper.checkpoint.convert import dcp_to_hf
 from temper.checkpoint.manager import checkpoint_dir
 from temper.config import Config, load_config, save_config
 from temper.data.batch import Batch
-from temper.data.tasks import build_loader
+from temper.data.loader import build_loader
 from temper.engine import Engine, NonFiniteError
 from temper.objectives import Objective, RolloutObjective, build_objective, micro_batch_scope
 from temper.objectives.dynamic_sampling import DynamicSampling, Rollout, fill_rollout
-from temper.parallel.collectives import all_reduce_sum, combine_metrics
+from temper.parallel.collectives import all_reduce_sum, combine_metrics, sum_over_data_ranks
 from temper.trainer.console import (
     StopRequest,
     complete_line,
@@ -36,6 +37,7 @@ from temper.trainer.moe_load import MoELoad, write_load
 from temper.trainer.phases import PhaseTimer
 from temper.trainer.profiling import StepProfiler
 from temper.trainer.state import TrainState
+from temper.trainer.validation import build_validation
 from temper.utils.device import Runtime, init_runtime
 from temper.utils.peak_flops import peak_flops
 
@@ -54,8 +56,13 @@ class Trainer:
         self.engine = engine = Engine(config, runtime)
         self.objective: Objective = build_objective(config, engine.build_reference)
         self.grad_accum = engine.dims.grad_accum_steps(config.training)
-        self.loader = build_loader(config, engine.tokenizer, engine.dims.dp_rank, engine.dims.dp)
+        copies = runtime.world_size // engine.dims.dp  # ranks holding each data rank's lanes
+        sum_counts = partial(sum_over_data_ranks, copies=copies, device=engine.device)
+        self.loader = build_loader(
+            config, engine.tokenizer, engine.dims.dp_rank, engine.dims.dp, sum_counts
+        )
         self.state = self._train_state()
+        self.validation = build_validation(config, engine, self.objective, self.grad_accum)
         # The step to resume first: whether the checkpoint holds a rollout depends on it.
         self.state.step = engine.checkpointer.resume_step or 0
         self.state.step = engine.load(self.state) or 0
@@ -125,6 +132,8 @@ class Trainer:
                             micro_batches, rollout_metrics = self._next_batches(batches)
                         metrics = self.train_step(micro_batches) | rollout_metrics
                         last = state.step == config.training.steps
+                        if self.validation is not None and self.validation.due(state.step, last):
+                            metrics |= self.validation.run()
                         self._save_and_log(metrics, last)
                     if not last and stop.agreed(engine.device):
                         engine.checkpointer.wait()
@@ -148,7 +157,13 @@ class Trainer:
                 if export and self.engine.runtime.is_main:
                     self._say(f"temper: exported {export_hf(self.config, state.step)}")
         self.phases.step_done()
-        if state.step % self.config.metrics.log_freq == 0 or last or "skipped" in metrics:
+        validated = any(name.startswith("val_") for name in metrics)
+        if (
+            state.step % self.config.metrics.log_freq == 0
+            or last
+            or validated
+            or ("skipped" in metrics)
+        ):
             self._log(metrics)
 
     def _say(self, line: str) -> None:

@@ -85,8 +85,13 @@ def test_muon_layouts_train_like_one_process(
     run = train_layout(_config(recipe, folder, layout, qk_clip), layout)
     assert run.fsdp_units  # sharded: the matrices' rows are split over ranks
     assert_same_metrics(run.rows, reference(qk_clip).rows)
-    if qk_clip:  # the clipping changed the run
-        assert run.rows[-1]["loss"] != pytest.approx(reference(0.0).rows[-1]["loss"], rel=1e-4)
+    if qk_clip:  # the clipping changed the run: by 10x the parity tolerance at some step
+        # (gradient norms: QK-clip moves them by ~1e-3 here, the last loss by only ~5e-5)
+        unclipped = reference(0.0).rows
+        assert any(
+            row["grad_norm"] != pytest.approx(ref["grad_norm"], rel=1e-4)
+            for row, ref in zip(run.rows, unclipped, strict=True)
+        )
     assert run.rows[-1]["loss"] < run.rows[0]["loss"]  # and it trains
 
 

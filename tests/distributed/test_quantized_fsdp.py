@@ -4,9 +4,10 @@ weights like its bf16/fp32 gather; and FSDP2 with its shards offloaded to the ho
 
 The one-process comparison uses torchao's ``rowwise_with_gw_hp`` recipe, whose scales are
 per token (activations, output gradients) and per weight row, so they do not depend on which
-rows share a micro-batch. Tensorwise scales are amaxes over a whole micro-batch, and the
-loader deals rows to ranks round-robin, so one process's micro-batch {0,1,2,3} is rank 0's
-{0,2,4,6} under FSDP2: the float8 rounding, and the losses, then differ in the 4th digit.
+rows share a micro-batch. Tensorwise scales are amaxes over a whole micro-batch, so they
+depend on how the layout cuts the global micro-batch into ranks' shares (FSDP2's rank 0 holds
+one process's first micro-batch {0,1,2,3} with today's loader, {0,2,4,6} with the one these
+tests were written on, whose float8 rounding, and losses, then differed in the 4th digit).
 """
 
 from __future__ import annotations

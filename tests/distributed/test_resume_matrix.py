@@ -89,13 +89,16 @@ def _train_rank(config: Config) -> dict[str, Any] | None:
     trainer = Trainer(config)
     resumed_from = trainer.state.step
     trainer.train()
+    # Every lane's position, gathered from all ranks (what a checkpoint holds): the same at
+    # any layout, where one rank's loader state holds only its lanes.
+    data = trainer.state.state_dict()["dataloader"]
     if not trainer.engine.runtime.is_main:
         return None
     rows = (Path(config.job.dump_folder) / "metrics.jsonl").read_text().splitlines()
     return {
         "rows": [json.loads(line) for line in rows],
         "resumed_from": resumed_from,
-        "data": trainer.loader.state_dict(),
+        "data": data,
         "tokens_seen": trainer.state.tokens_seen,
     }
 

@@ -103,5 +103,7 @@ def test_user_jsonl_files(tmp_path: Path) -> None:
     assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
     assert rows[1]["loss"] != rows[0]["loss"]  # the first update moved the policy
     pairs.write_text('{"prompt": "hi", "chosen": "yo"}\n')
+    # Records are parsed when a rank reads them (the pre-flight checks the first ones before
+    # launch): the first batch fails naming the file and line.
     with pytest.raises(ValueError, match=f"{pairs}:1: record has no field 'rejected'"):
-        _trainer("dpo_debug", tmp_path / "bad", "--data.path", str(pairs))
+        _trainer("dpo_debug", tmp_path / "bad", "--data.path", str(pairs)).train()

@@ -10,7 +10,7 @@ import torch
 from tokenizers import models, pre_tokenizers
 from torch import nn
 
-from temper.data import BatchLoader, TextDataset, Tokenizer, build_text_loader
+from temper.data import BatchLoader, Tokenizer, build_text_loader, text_dataset
 from temper.data.batch import IGNORE_INDEX, Batch
 from temper.data.packing import document_labels, document_position_ids
 from temper.kernels.attention import AttentionBackendError
@@ -52,8 +52,8 @@ def test_positions_and_labels_by_hand() -> None:
 
 
 def test_isolated_rows_by_hand(words: Tokenizer, txt_file: str) -> None:
-    plain = TextDataset(words, 5, path=txt_file)
-    isolated = TextDataset(words, 5, path=txt_file, isolate_documents=True)
+    plain = text_dataset(words, 5, path=txt_file)
+    isolated = text_dataset(words, 5, path=txt_file, isolate_documents=True)
     expected = [  # rows 1 2 3 0 4 | 5, then 5 0 6 7 8 | 9, then 9 0 1 2 3 | 0
         ([2, 3, 0, X, 5], [0, 1, 2, 3, 0]),
         ([0, X, 7, 8, 9], [0, 1, 0, 1, 2]),
@@ -91,7 +91,7 @@ LENGTHS = ([7, 12, 5], [4, 9, 6, 5])
 
 
 def _packed(docs: list[torch.Tensor]) -> Batch:
-    """What TextDataset yields for a row that holds ``docs`` and then a next document."""
+    """What the text format yields for a row that holds ``docs`` and then a next document."""
     stream = torch.cat([*docs, torch.tensor([3])])
     ids, labels = stream[:-1], stream[1:]
     return {

@@ -74,7 +74,7 @@ def test_missing_text_folder_names_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     line = one_error(*check(capsys, "--data.path", str(tmp_path / "corpus")))
-    assert f"data.path {tmp_path / 'corpus'}" in line and "not found" in line
+    assert f"data.path {tmp_path / 'corpus'}" in line and "no such file or folder" in line
 
 
 def test_bad_jsonl_line_names_file_and_line(
@@ -158,6 +158,5 @@ def test_the_cli_exits_2_with_one_line(tmp_path: Path) -> None:
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"temper: config error: data.path {missing}: {missing}: no such file "
-        "(data.format sft reads one JSONL file)"
+        f"temper: config error: data.path {missing}: {missing}: no such file or folder"
     ]

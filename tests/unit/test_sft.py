@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from temper.data.chat import BUILTIN_TEMPLATE
-from temper.data.sft import prepare_samples, sft_dataset, sft_row_builder
+from temper.data.sft import fit, sft_dataset, sft_row_builder
 from temper.data.tasks import preference_pairs, sft_conversations, wrong_answer
 from temper.data.tokenizer import load_tokenizer
 
@@ -16,14 +16,25 @@ A = ([1, 2, 3, 4], [False, False, True, True])
 B = ([5, 6, 7], [False, True, True])
 
 
+class _Reader:
+    """A lane reader over a list of samples, None once they run out."""
+
+    def __init__(self, samples) -> None:
+        self.samples = list(samples)
+
+    def peek(self):
+        return self.samples[0] if self.samples else None
+
+    def take(self):
+        return self.samples.pop(0)
+
+
 def _rows(samples, seq_len: int, pack: bool) -> list[dict[str, list[int]]]:
     build = sft_row_builder(seq_len, fill=0, pack=pack)
-    rows, start = [], 0
-    while start < len(samples):
-        rest = samples[start:]
-        row, used = build(lambda i, rest=rest: rest[i] if i < len(rest) else None)
-        rows.append({k: v.tolist() for k, v in row.items()})
-        start += used
+    reader = _Reader(samples)
+    rows = []
+    while reader.samples:
+        rows.append({k: v.tolist() for k, v in build(reader).items()})
     return rows
 
 
@@ -46,13 +57,38 @@ def test_packed_rows_restart_positions_per_sample() -> None:
 def test_over_length_policy_is_counted() -> None:
     long = ([1, 2, 3, 4, 5, 6], [False, True, True, True, True, True])
     prompt_only = ([1, 2, 3, 4, 5, 6], [False] * 5 + [True])
-    kept, stats = prepare_samples([A, long, prompt_only], seq_len=3, policy="truncate")
-    assert kept == [A, (long[0][:4], long[1][:4])] and stats == {"truncated": 1, "dropped": 1}
-    kept, stats = prepare_samples([A, long, prompt_only], seq_len=3, policy="drop")
-    assert kept == [A] and stats == {"truncated": 0, "dropped": 2}
+    outcomes = [fit(s, 4, "truncate") for s in (A, long, prompt_only)]
+    assert outcomes == [(A, None), ((long[0][:4], long[1][:4]), "truncated"), (None, "dropped")]
+    outcomes = [fit(s, 4, "drop") for s in (A, long, prompt_only)]
+    assert outcomes == [(A, None), (None, "dropped"), (None, "dropped")]
+
+
+def test_the_stream_counts_what_the_policy_did() -> None:
+    """A short, a long and a prompt-only conversation at seq_len 24, one a row: truncate keeps
+    the long one cut to fill its row, drop skips it; the prompt-only one is always dropped.
+    The counts are those of the documents read so far."""
+    short = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    long = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b c " * 20}]
+    prompt_only = [{"role": "user", "content": "a b " * 20}, {"role": "assistant", "content": "b"}]
+    for policy in ("truncate", "drop"):
+        stream = sft_dataset(
+            [short, long, prompt_only],
+            load_tokenizer(None),
+            BUILTIN_TEMPLATE,
+            24,
+            pack=False,
+            policy=policy,
+        )
+        rows = list(itertools.islice(stream, 6))
+        full = sum(int(row["labels"][-1] != -100) for row in rows)  # the cut long answers
+        stats = stream.stats
+        assert stats["dropped"] == stats["source0_documents"] - 6
+        assert stats["truncated"] == full
+        assert full > 0 if policy == "truncate" else full == 0
 
 
 def _dataset(dp_rank: int = 0, dp_world: int = 1, pack: bool = True):
+    """Two lanes, so two ranks each own one."""
     return sft_dataset(
         sft_conversations(0, "train", 40),
         load_tokenizer(None),
@@ -60,13 +96,14 @@ def _dataset(dp_rank: int = 0, dp_world: int = 1, pack: bool = True):
         48,
         pack=pack,
         seed=3,
+        lanes=2,
         dp_rank=dp_rank,
         dp_world=dp_world,
     )
 
 
 @pytest.mark.parametrize("pack", [True, False])
-def test_resume_and_sharding_follow_the_global_order(pack: bool) -> None:
+def test_resume_and_sharding_follow_the_lanes(pack: bool) -> None:
     full = list(itertools.islice(iter(_dataset(pack=pack)), 30))  # crosses an epoch
     shards = [list(itertools.islice(iter(_dataset(r, 2, pack)), 15)) for r in range(2)]
     for i, row in enumerate(full):
@@ -91,3 +128,10 @@ def test_builtin_tasks_hold_out_and_reject_wrongly() -> None:
     import random
 
     assert wrong_answer("1 2 3", random.Random(0)) != "1 2 3"
+
+
+def test_a_stream_that_drops_everything_fails_instead_of_spinning() -> None:
+    long = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b c " * 20}]
+    stream = sft_dataset([long] * 3, load_tokenizer(None), BUILTIN_TEMPLATE, 24, policy="drop")
+    with pytest.raises(ValueError, match="lane 0 drew 4 records in a row that the format dropped"):
+        next(iter(stream))
