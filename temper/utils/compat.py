@@ -13,6 +13,12 @@ import torch
 import torch.nn.attention.varlen  # noqa: F401  (registers the varlen op looked up below)
 from torch import nn
 
+# ``dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)``: let a compiled
+# activation-checkpointed block set Python state in forward (the MoE layers' routing
+# statistics), applied once, not replayed by the recomputation. Checked: 2.13. No public
+# equivalent.
+from torch._dynamo import config as dynamo_config
+
 # Intercepting aten calls (layout-invariant random init), and the type of the ops it sees.
 # Checked: 2.11, 2.13; no public module holds them in these versions.
 from torch._ops import OpOverload
@@ -172,6 +178,7 @@ __all__ = [
     "dcp_memory_format",
     "dcp_storage_info",
     "dump_memory_snapshot",
+    "dynamo_config",
     "foreach_mul_",
     "functional_all_reduce",
     "functional_all_to_all",
