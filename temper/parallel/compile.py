@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from temper.utils.compat import dynamo_config
+from temper.utils.compat import forward_side_effects_once
 
 
 def apply_compile(blocks: Iterable[nn.Module], backend: str = "inductor") -> None:
@@ -31,7 +31,7 @@ def apply_compile(blocks: Iterable[nn.Module], backend: str = "inductor") -> Non
 def _keeping_forward_side_effects(compiled: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        with forward_side_effects_once():
             return compiled(*args, **kwargs)
 
     return run
