@@ -7,6 +7,7 @@ wherever one exists.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -59,7 +60,10 @@ from torch.utils._python_dispatch import _disable_current_modes as outside_dispa
 def forward_side_effects_once() -> Any:
     """A context in which torch.compile lets an activation-checkpointed region set Python
     state in forward (the MoE layers' routing statistics), applied once and not replayed by
-    the recomputation. Checked: 2.13. No public equivalent."""
+    the recomputation (a torch without the setting: nothing, and torch.compile refuses such
+    a region as before). Checked: 2.13. No public equivalent."""
+    if not hasattr(_dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext()
     return _dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
