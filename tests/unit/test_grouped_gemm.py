@@ -116,3 +116,24 @@ def test_compiles_to_one_graph_with_the_custom_op() -> None:
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert torch.ops.temper.grouped_mm.default in targets
     torch.compiler.reset()
+
+
+@pytest.mark.parametrize(("mode", "runs"), [("selective", 9), ("full", 12)])
+def test_selective_checkpointing_saves_the_custom_ops_output(
+    mode: str, runs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Experts' three GEMMs: forward 3 runs, backward 6 (rows' and weights' gradients);
+    `full` runs the 3 forward ones again, `selective` keeps their outputs."""
+    from temper.models.layers.moe import GroupedExperts
+    from temper.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    calls = []
+    fits = grouped_gemm._fast_path_fits
+    monkeypatch.setattr(grouped_gemm, "_fast_path_fits", lambda *a: calls.append(1) or fits(*a))
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 24, len(SIZES))
+    experts.init_weights(std=0.5, out_std=0.5)
+    x, _, offsets = _operands(torch.float32)
+    apply_activation_checkpointing([experts], mode)
+    experts(x, offsets).sum().backward()
+    assert len(calls) == runs
