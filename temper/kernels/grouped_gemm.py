@@ -1,9 +1,14 @@
 """Grouped GEMM for mixture-of-experts: rows sorted by group, one weight matrix per group.
 
 ``grouped_mm`` runs ``torch._grouped_mm`` on CUDA in bf16 where its layout rules hold and on
-CPU in fp32 or bf16 where this torch build has the CPU kernel (eager only), and the
-plain-PyTorch loop over groups everywhere else; the loop is also the reference that tests
-hold the fast path to.
+CPU in fp32 or bf16 where this torch build has the CPU kernel, and the plain-PyTorch loop
+over groups everywhere else; the loop is also the reference that tests hold the fast path to.
+
+Both run inside one opaque custom op, ``torch.ops.temper.grouped_mm`` (its backward another
+two: itself for the rows' gradient and ``temper::grouped_mm_weight_grad`` for the weights'),
+so ``torch.compile`` sees a single node with a known output shape, never the loop's host read
+of the group sizes or the fast path's pointer checks: a block with experts compiles to one
+graph (``fullgraph=True``) and a decode step does not recompile for each token's groups.
 """
 
 from __future__ import annotations
@@ -33,9 +38,59 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     else:
         dtype = torch.promote_types(x.dtype, w.dtype)
     x, w = x.to(dtype).contiguous(), w.to(dtype)
+    return grouped_mm_op(x, w, offsets)
+
+
+@torch.library.custom_op("temper::grouped_mm", mutates_args=())
+def grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM as one op: x [T, K], w [G, K, N] of one dtype -> [T, N];
+    ``torch._grouped_mm`` where it fits, else the loop. Rows past ``offsets[-1]`` are zero."""
     if _fast_path_fits(x, w):
-        return grouped_mm_fast(x, w, offsets)
+        return torch_grouped_mm(x, w, offs=offsets)
     return grouped_mm_reference(x, w, offsets)
+
+
+@grouped_mm_op.register_fake
+def _grouped_mm_shape(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("temper::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(
+    x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """``x[rows of g].T @ grad[rows of g]`` for every group g: x [T, K], grad [T, N] ->
+    [G, K, N] (zero for an empty group); ``torch._grouped_mm`` where it fits, else a loop."""
+    if _fast_path_fits(x.mT, grad):
+        return torch_grouped_mm(x.mT, grad, offs=offsets)
+    ends = offsets.tolist()
+    sizes = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+    pairs = zip(x[: ends[-1]].split(sizes), grad[: ends[-1]].split(sizes), strict=True)
+    return torch.stack([xg.mT @ gg for xg, gg in pairs])
+
+
+@grouped_mm_weight_grad.register_fake
+def _weight_grad_shape(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(offsets.shape[0], x.shape[-1], grad.shape[-1])
+
+
+def _save_operands(ctx: object, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)  # type: ignore[attr-defined]
+
+
+def _grouped_mm_backward(
+    ctx: object, grad: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    x, w, offsets = ctx.saved_tensors  # type: ignore[attr-defined]
+    grad = grad.contiguous()  # e.g. sum()'s expanded gradient, which _grouped_mm rejects
+    needs_x, needs_w, _ = ctx.needs_input_grad  # type: ignore[attr-defined]
+    grad_x = grouped_mm_op(grad, w.mT, offsets) if needs_x else None
+    grad_w = grouped_mm_weight_grad(x, grad, offsets) if needs_w else None
+    return grad_x, grad_w, None
+
+
+grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_save_operands)
 
 
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -43,11 +98,15 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
 
     ``split`` and ``unbind`` rather than slicing and indexing: their backward concatenates
     the pieces' gradients once, where each slice or index would add a zero tensor the size
-    of all rows (all experts) per group (measured 9x slower at 64 experts on CPU)."""
+    of all rows (all experts) per group (measured 9x slower at 64 experts on CPU). Rows past
+    the last group (none, as the experts call it) come out zero, as the op's shape says."""
     ends = offsets.tolist()
     sizes = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
     rows = x[: ends[-1]].split(sizes)
-    return torch.cat([r @ wg for r, wg in zip(rows, w.unbind(0), strict=True)])
+    out = [r @ wg for r, wg in zip(rows, w.unbind(0), strict=True)]
+    if ends[-1] < x.shape[0]:
+        out.append(x.new_zeros(x.shape[0] - ends[-1], w.shape[-1]))
+    return torch.cat(out)
 
 
 def grouped_mm_shapes(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -69,10 +128,10 @@ def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
 
 def _fast_path_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Both operands' leading strides and pointers 16-byte aligned, and: on CPU, fp32 or bf16
-    if the kernel exists, outside torch.compile (whose shape rule for the op accepts bf16
-    only; asked first, before ``data_ptr`` breaks the graph); on CUDA, SM80+ and bf16."""
+    if the kernel exists; on CUDA, SM80+ and bf16. Asked inside the custom op only, which
+    torch.compile does not trace (its shape rule for ``_grouped_mm`` takes bf16 only)."""
     if x.device.type == "cpu":
-        if torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16):
+        if x.dtype not in (torch.float32, torch.bfloat16):
             return False
         supported = _cpu_kernel_exists(x.dtype)
     else:

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+import temper.kernels.grouped_gemm  # noqa: F401  (registers torch.ops.temper.grouped_mm)
 from temper.kernels.attention import ATTENTION_OPS
 from temper.models.layers.moe import keep_first_routing
 
@@ -34,6 +35,8 @@ SAVED_OPS = {
     _aten.addmm.default,
     _aten.bmm.default,
     _aten._grouped_mm.default,
+    torch.ops.temper.grouped_mm.default,  # the experts' GEMM (and its rows' gradient)
+    torch.ops.temper.grouped_mm_weight_grad.default,
     *ATTENTION_OPS,
     # What `all_to_all_single_autograd` and functional `all_to_all_single` (Ulysses, expert
     # dispatch) run; recomputing it would send the same tokens again.

@@ -7,11 +7,15 @@ wherever one exists.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.nn.attention.varlen  # noqa: F401  (registers the varlen op looked up below)
 from torch import nn
+
+# Dynamo's settings (``forward_side_effects_once`` below). Checked: 2.13.
+from torch._dynamo import config as _dynamo_config
 
 # Intercepting aten calls (layout-invariant random init), and the type of the ops it sees.
 # Checked: 2.11, 2.13; no public module holds them in these versions.
@@ -51,6 +55,17 @@ from torch.utils._python_dispatch import _disable_current_modes as outside_dispa
 # ``outside_dispatch_modes()``: a context that runs ops past every active dispatch mode (a
 # one-off probe that must not count as one of a checkpointed region's ops). Checked: 2.11,
 # 2.13. No public equivalent.
+
+
+def forward_side_effects_once() -> Any:
+    """A context in which torch.compile lets an activation-checkpointed region set Python
+    state in forward (the MoE layers' routing statistics), applied once and not replayed by
+    the recomputation (a torch without the setting: nothing, and torch.compile refuses such
+    a region as before). Checked: 2.13. No public equivalent."""
+    if not hasattr(_dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext()
+    return _dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
 
 grouped_mm = torch._grouped_mm
 """Grouped GEMM over expert groups (``offs``); CUDA SM80+ bf16, and CPU fp32/bf16 in 2.13.
@@ -172,6 +187,7 @@ __all__ = [
     "dcp_memory_format",
     "dcp_storage_info",
     "dump_memory_snapshot",
+    "forward_side_effects_once",
     "foreach_mul_",
     "functional_all_reduce",
     "functional_all_to_all",

@@ -101,7 +101,14 @@ def test_static_mask_by_hand() -> None:
         _ = cache.length
 
 
-@pytest.mark.parametrize("family", ["llama3", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama3",
+        "qwen3_moe",  # MoE: the grouped GEMM is one opaque op, whatever each token's groups
+        pytest.param("qwen3_5", marks=pytest.mark.slow),
+    ],
+)
 def test_the_compiled_step_is_one_graph_for_every_token_and_width(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -125,8 +125,9 @@ class GroupLimitedRouter(nn.Module):
         affinities as chosen ones would be.
 
         Counts the choices into ``load`` in training mode with autograd on. An activation
-        checkpoint's recomputation counts a layer's tokens twice, which scales all of that
-        layer's counts alike and so leaves the sign of each bias update unchanged.
+        checkpoint's recomputation counts a layer's tokens twice (eager; a compiled block
+        counts them once), which scales all of that layer's counts alike and so leaves the
+        sign of each bias update unchanged.
         """
         scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
         if experts is None:
