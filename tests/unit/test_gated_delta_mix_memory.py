@@ -30,8 +30,10 @@ def test_mix_saves_only_its_inputs() -> None:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         gated_delta_mix(layer, q, k, v, b, a)
-    assert saved
-    assert {t.untyped_storage().data_ptr() for t in saved} <= allowed
+    # torch 2.11's non-reentrant checkpoint also saves an empty placeholder: no memory.
+    held = [t for t in saved if t.untyped_storage().nbytes() > 0]
+    assert held
+    assert {t.untyped_storage().data_ptr() for t in held} <= allowed
 
 
 def test_recomputed_backward_equals_the_stored_one() -> None:
