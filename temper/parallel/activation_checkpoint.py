@@ -44,12 +44,20 @@ SAVED_OPS = {
 }
 
 
-def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: CheckpointMode) -> None:
+def apply_activation_checkpointing(
+    blocks: Iterable[nn.Module], mode: CheckpointMode, compiled: bool = False
+) -> None:
     """Checkpoint every block in `mode`; `none` leaves them untouched. The recomputation
-    leaves the MoE layers' routing statistics as the forward made them."""
+    leaves the MoE layers' routing statistics as the forward made them: in eager mode by
+    running in ``keep_first_routing``; for blocks that will be ``compiled``, whose
+    checkpoint takes only torch's own dispatch modes as contexts, by ``apply_compile``
+    (forward side effects are not replayed in backward)."""
     if mode == "none":
         return
-    context_fn = _keep_matmul_outputs if mode == "selective" else _full
+    if compiled:
+        context_fn = _selective_contexts if mode == "selective" else noop_context_fn
+    else:
+        context_fn = _keep_matmul_outputs if mode == "selective" else _full
     for block in blocks:
         block.forward = _checkpointed(block.forward, context_fn)
 
@@ -66,8 +74,12 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _selective_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
 def _keep_matmul_outputs() -> tuple[Any, Any]:
-    return _keeping_routing(*create_selective_checkpoint_contexts(_save_matmuls))
+    return _keeping_routing(*_selective_contexts())
 
 
 def _full() -> tuple[Any, Any]:
@@ -75,10 +87,7 @@ def _full() -> tuple[Any, Any]:
 
 
 def _keeping_routing(forward: Any, recompute: Any) -> tuple[Any, Any]:
-    """The contexts, the recomputation also keeping the forward's routing statistics; under
-    torch.compile, which takes only its own dispatch modes here, the contexts as they are."""
-    if torch.compiler.is_compiling():
-        return forward, recompute
+    """The contexts, the recomputation also keeping the forward's routing statistics."""
     return forward, _recomputation(recompute)
 
 

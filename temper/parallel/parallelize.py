@@ -35,7 +35,9 @@ def parallelize_decoder(
     expert_mesh = meshes.expert if meshes is not None else None
     if expert_mesh is not None:
         apply_expert_parallel(model, expert_mesh)
-    apply_activation_checkpointing(blocks, config.activation_checkpoint.mode)
+    apply_activation_checkpointing(
+        blocks, config.activation_checkpoint.mode, compiled=config.compile.enable
+    )
     if config.compile.enable:
         apply_compile(blocks)
     if meshes is not None:
