@@ -79,6 +79,7 @@ def _losses(tmp_path: Path, float8: bool) -> list[float]:
     config.training.steps = 20
     config.training.seq_len = 64
     config.training.local_batch_size = 4
+    config.optimizer.lr = 5e-4
     config.metrics.tensorboard = False
     config.quantize.float8 = Float8(enable=float8, emulate=True)
     Trainer(config).train()
@@ -88,12 +89,15 @@ def _losses(tmp_path: Path, float8: bool) -> list[float]:
 
 @pytest.mark.slow
 def test_float8_training_tracks_fp32(tmp_path: Path) -> None:
-    """20 steps of the debug recipe (loss ~7.6 -> ~4): each step's loss within 3% of fp32's
-    (2.4% at worst on torch 2.11, 2% on 2.13: the emulated float8 roundings differ)."""
+    """20 steps of the debug recipe at lr 5e-4 (loss ~7.6 -> ~5.5): each step's loss within 1%
+    of fp32's (0.14% at worst on torch 2.13, 0.29% on 2.11). At the recipe's lr 2e-3 these
+    256-token batches spike (gradient norms 10-100): where a spike lands, and how big it is,
+    turns on the last rounding, so one step there differs by 8% on torch 2.11."""
     reference = _losses(tmp_path, float8=False)
     fp8 = _losses(tmp_path, float8=True)
+    assert reference[-1] < reference[0] - 1.5  # it trained
     assert fp8 != reference
-    assert fp8 == pytest.approx(reference, rel=0.03)
+    assert fp8 == pytest.approx(reference, rel=0.01)
 
 
 def test_float8_without_a_gpu_names_the_flag() -> None:
