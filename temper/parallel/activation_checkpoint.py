@@ -54,18 +54,23 @@ def apply_activation_checkpointing(
     (forward side effects are not replayed in backward)."""
     if mode == "none":
         return
-    if compiled:
-        context_fn = _selective_contexts if mode == "selective" else noop_context_fn
+    context_fn: Callable[[], Any] | None
+    if compiled:  # Dynamo traces torch's own default only when it is not passed at all
+        context_fn = _selective_contexts if mode == "selective" else None
     else:
         context_fn = _keep_matmul_outputs if mode == "selective" else _full
     for block in blocks:
         block.forward = _checkpointed(block.forward, context_fn)
 
 
-def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) -> Callable[..., Any]:
+def _checkpointed(
+    forward: Callable[..., Any], context_fn: Callable[[], Any] | None
+) -> Callable[..., Any]:
+    contexts = {} if context_fn is None else {"context_fn": context_fn}
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **contexts, **kwargs)
 
     return run
 

@@ -1,11 +1,12 @@
 """``--compile.enable`` on MoE models: the blocks compile with ``fullgraph=True`` (the grouped
 GEMM is one opaque custom op, the routing statistics a forward-only side effect) and train as
-eager blocks do, selective activation checkpointing on as in the parity test's compile case.
+eager blocks do, under selective (as in the parity test's compile case) and full activation
+checkpointing.
 
 Traced with ``aot_eager`` (Dynamo and AOTAutograd, forward and backward, without Inductor's
-code generation, which would cost a minute per model on CPU). Qwen3.5-MoE is not here:
-under ``aot_eager`` its Gated DeltaNet layers' backward fails a ``view`` (the dense Qwen3.5
-too, without experts); under Inductor, what ``--compile.enable`` runs, it trains."""
+code generation, which would cost a minute per model on CPU). Qwen3.5-MoE is in
+test_hybrid_compile, with Inductor: under ``aot_eager`` its Gated DeltaNet layers' backward
+fails a ``view``."""
 
 from __future__ import annotations
 
@@ -21,14 +22,17 @@ from temper.parallel.activation_checkpoint import apply_activation_checkpointing
 from temper.parallel.compile import apply_compile
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
 @pytest.mark.parametrize("family", ["qwen3_moe"])
-def test_compiled_moe_blocks_give_eager_losses_gradients_and_routing(family: str) -> None:
+def test_compiled_moe_blocks_give_eager_losses_gradients_and_routing(
+    family: str, mode: str
+) -> None:
     torch.manual_seed(0)
     eager = materialize(build_model(family, "debug"), torch.device("cpu"))
     compiled = copy.deepcopy(eager)
     for model, is_compiled in ((eager, False), (compiled, True)):
         model.train()
-        apply_activation_checkpointing(list(model.layers), "selective", compiled=is_compiled)
+        apply_activation_checkpointing(list(model.layers), mode, compiled=is_compiled)
     torch.compiler.reset()
     counters.clear()
     apply_compile(list(compiled.layers), backend="aot_eager")
