@@ -16,7 +16,9 @@ router's aux loss for MoE). Each side runs in a fresh process so its peak memory
 its own: on CPU the peak resident set during the timed steps minus the resident set
 before the model existed; on CUDA the allocator's peak. The two processes take turns,
 one step each, while the other waits, so load from anything else on the machine falls
-on both alike; tokens/s is each side's fastest step. MFU is the
+on both alike; tokens/s is each side's fastest step, in wall-clock time and (CPU) in the
+process's own CPU time (`time.process_time`): with `--threads 1` on a shared machine the CPU
+time is what the step cost, where the wall time adds the waits for a core. MFU is the
 model's training FLOPs per token (`flops_per_token`) times tokens/s over
 `temper.utils.peak_flops` of the device (measured by a matmul probe on CPU).
 """
@@ -187,10 +189,13 @@ def measure(
     dtype: str,
     kernels: str,
     compile_blocks: bool,
+    threads: int | None,
 ) -> dict:
     """One side's run, in its own process: a warm-up step, then `steps` timed steps taken in
     turns with the other side (``turns``), so both meet the same load on a shared machine."""
     torch.manual_seed(0)
+    if threads:
+        torch.set_num_threads(threads)
     dev = torch.device(device)
     rss_before = _rss_gib()
     if side == "temper":
@@ -252,14 +257,15 @@ def measure(
     _sync(dev)
     turns.wait()  # both sides warmed up (and compiled) before any timing
     _reset_peak(dev)
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
         for turn in SIDES:
             if turn == side:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 step()
                 _sync(dev)
                 times.append(time.perf_counter() - start)
+                cpu_times.append(time.process_time() - cpu_start)
             turns.wait()
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev) / 2**30
@@ -268,6 +274,7 @@ def measure(
     flops = model.flops_per_token(seq_len) if side == "temper" else None
     return {
         "tokens_per_second": batch * seq_len / min(times),
+        "cpu_tokens_per_second": batch * seq_len / min(cpu_times),
         "peak_gib": peak,
         "first_loss": first_loss,
         "flops_per_token": flops,
@@ -347,6 +354,9 @@ def main() -> None:
         action="store_true",
         help="also torch.compile Temper's decoder blocks, as --compile.enable does",
     )
+    parser.add_argument(
+        "--threads", type=int, help="torch's CPU threads in each side (default: torch's own)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -361,14 +371,15 @@ def main() -> None:
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
-        hardware = f"{torch.get_num_threads()} threads"
+        hardware = f"{args.threads or torch.get_num_threads()} threads"
     print(
         f"device {device} ({hardware}), {dtype}, batch {args.batch}, fastest of {args.steps} "
         f"steps each after one warm-up, Temper kernels {args.kernels}"
         f"{' + compiled blocks' if args.compile else ''}, torch {torch.__version__}, "
         f"peak {peak / 1e12 if peak else float('nan'):.2f} TFLOP/s\n"
     )
-    columns = ["Temper tok/s", "HF tok/s", "speed", "Temper MFU", "HF MFU", "Temper GiB", "HF GiB"]
+    columns = ["Temper tok/s", "HF tok/s", "speed", "speed (CPU)", "Temper MFU", "HF MFU"]
+    columns += ["Temper GiB", "HF GiB"]
     print("| case | params | seq | " + " | ".join(columns) + " | memory |")
     print("| --- | ---: | ---: |" + " ---: |" * (len(columns) + 1))
     for name in names:
@@ -377,7 +388,7 @@ def main() -> None:
             make_hf_folder(case, Path(folder))
             for seq_len in map(int, args.seq_len.split(",")):
                 common = (folder, args.batch, seq_len, args.steps, args.device, dtype)
-                runs = run_sides(*common, args.kernels, args.compile)
+                runs = run_sides(*common, args.kernels, args.compile, args.threads)
                 ours, theirs = runs["temper"], runs["hf"]
                 _report(name, seq_len, ours, theirs, peak, dtype)
 
@@ -398,6 +409,7 @@ def _report(
         f"| {name} | {ours['params'] / 1e6:.0f}M | {seq_len} "
         f"| {ours['tokens_per_second']:,.0f} | {theirs['tokens_per_second']:,.0f} "
         f"| {ours['tokens_per_second'] / theirs['tokens_per_second']:.2f}x "
+        f"| {ours['cpu_tokens_per_second'] / theirs['cpu_tokens_per_second']:.2f}x "
         f"| {mfu(ours)} | {mfu(theirs)} "
         f"| {ours['peak_gib']:.2f} | {theirs['peak_gib']:.2f} "
         f"| {ours['peak_gib'] / theirs['peak_gib']:.2f}x |",
