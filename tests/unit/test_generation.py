@@ -13,7 +13,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from temper.data.batch import IGNORE_INDEX
-from temper.generation import KVCache, generate, sample_next
+from temper.generation import KVCache, decoding, generate, sample_next
 from temper.kernels.attention import AttentionBackendError, attention
 from temper.kernels.cross_entropy import linear_log_probs
 from temper.models import get_model_spec, load_hf, materialize
@@ -126,6 +126,26 @@ def test_stop_tokens_end_rows_and_pad_after() -> None:
         assert out.tokens[i].tolist() == row[:n] + [-1] * (NEW - n)
         torch.testing.assert_close(out.log_probs[i, :n], full.log_probs[i, :n], rtol=0, atol=1e-6)
         assert out.log_probs[i, n:].tolist() == [0.0] * (NEW - n)
+
+
+def test_a_batch_whose_rows_all_stopped_ends_early_with_the_same_tokens() -> None:
+    """Stop tokens that every row meets within 4 tokens of 20: the run without them cut after
+    each row's first one, from the prefill and STOP_CHECK_EVERY - 1 decode steps, the first
+    check after every row stopped (20 forwards without the stops)."""
+    model = tiny_model("llama3")
+    new = 20
+    full = generate(model, PROMPTS, new, return_log_probs=True)
+    stops = {row[3] for row in full.tokens.tolist()}
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    out = generate(model, PROMPTS, new, stop_tokens=stops, pad_id=-1, return_log_probs=True)
+    assert len(forwards) == decoding.STOP_CHECK_EVERY
+    for i, row in enumerate(full.tokens.tolist()):
+        n = next(j for j, t in enumerate(row) if t in stops) + 1
+        assert n <= 4 and out.lengths[i] == n
+        assert out.tokens[i].tolist() == row[:n] + [-1] * (new - n)
+        torch.testing.assert_close(out.log_probs[i, :n], full.log_probs[i, :n], rtol=0, atol=1e-6)
+        assert out.log_probs[i, n:].tolist() == [0.0] * (new - n)
 
 
 def test_top_k_1_samples_the_greedy_tokens_and_a_seed_repeats_a_sample() -> None:
