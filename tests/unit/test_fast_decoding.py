@@ -11,7 +11,7 @@ from test_generation import PROMPTS, TINY, tiny_model
 from temper.generation import decoding, generate
 from temper.kernels.attention import attention
 from temper.models import build_model, materialize
-from temper.models.layers.kv_cache import StaticKVCache, cached_attention
+from temper.models.layers.kv_cache import StaticKVCache, cached_attention, logit_bias
 
 NEW = 6
 
@@ -79,7 +79,8 @@ def test_cached_attention_equals_sdpa_over_a_head_major_cache(
     want = attention(q, k, v, mask=mask, window=window, scale=scale, sinks=sink)
     if window is not None:
         mask = mask & (queries - keys < window)
-    got = cached_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale, sinks=sink)
+    bias = logit_bias(mask.squeeze(1))
+    got = cached_attention(q, k.transpose(1, 2), v.transpose(1, 2), bias, scale=scale, sinks=sink)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
@@ -88,7 +89,8 @@ def test_static_mask_by_hand() -> None:
     cache = StaticKVCache(valid, n_layers=1, max_len=5)
     cache.extend(3)
     # Prefill: causal over the 3 prompt columns; the padding query sees itself only.
-    assert cache.mask[0, 0].int().tolist() == [
+    assert set(cache.bias.unique().tolist()) == {0.0, float("-inf")}
+    assert (cache.bias[0, 0] == 0).int().tolist() == [
         [1, 0, 0, 0, 0],
         [0, 1, 0, 0, 0],
         [0, 1, 1, 0, 0],
@@ -96,7 +98,7 @@ def test_static_mask_by_hand() -> None:
     cache.extend(1)
     # A decode step writes column 3 and sees every valid column up to it, not the free one.
     assert cache.columns.tolist() == [3]
-    assert cache.mask[:, 0, 0].int().tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
+    assert (cache.bias[:, 0, 0] == 0).int().tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
     with pytest.raises(ValueError, match="pass position_ids"):
         _ = cache.length
 

@@ -210,11 +210,13 @@ def test_kv_cache_mask_by_hand() -> None:
     valid = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     cache = KVCache(valid, n_layers=1)
     cache.extend(3)
-    assert cache.mask.shape == (2, 1, 3, 3)
-    assert cache.mask[0, 0].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
-    assert cache.mask[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert cache.bias.shape == (2, 1, 3, 3) and cache.bias.dtype == torch.float32
+    assert set(cache.bias.unique().tolist()) == {0.0, float("-inf")}
+    seen = cache.bias == 0
+    assert seen[0, 0].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    assert seen[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     cache.extend(1)
-    assert cache.mask[:, 0].int().tolist() == [[[0, 1, 1, 1]], [[1, 1, 1, 1]]]
+    assert (cache.bias[:, 0] == 0).int().tolist() == [[[0, 1, 1, 1]], [[1, 1, 1, 1]]]
     with pytest.raises(ValueError, match="holds 4 tokens"):
         cache.extend(1)
 

@@ -20,10 +20,13 @@ class KVCache:
     """Every layer's keys and values for a batch of rows decoded together.
 
     ``valid`` [b, max_len] is True where a column holds a real token (False: left padding);
-    ``length`` columns are filled. ``mask`` [b, 1, n, length] is the running forward's: a query
-    at column i attends to the valid columns up to i, and a padding query to itself only, so no
+    ``length`` columns are filled. ``bias`` [b, 1, n, length] fp32 is the running forward's
+    attention mask as a logit bias, 0 where a query sees a key and -inf where not: a query at
+    column i attends to the valid columns up to i, and a padding query to itself only, so no
     softmax row is empty (an empty row gives NaN, which would reach real tokens through the
-    cached values even with a weight of 0).
+    cached values even with a weight of 0). Added to the logits rather than applied with
+    ``masked_fill``, whose boolean mask the compiler's CPU kernels read back slowly (the masked
+    softmax took 3x as long as with the bias in a compiled decode step).
 
     Plain classes, not dataclasses: FSDP2 rebuilds dataclass arguments when it casts a
     module's inputs, and the copy would drop what a layer writes.
@@ -32,11 +35,11 @@ class KVCache:
     def __init__(self, valid: torch.Tensor, n_layers: int) -> None:
         self.valid = valid
         self.length = 0
-        self.mask: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
         self.layers = [LayerCache(self) for _ in range(n_layers)]
 
     def extend(self, n: int) -> list[LayerCache]:
-        """Open ``n`` more columns for the forward about to run, build the mask its layers
+        """Open ``n`` more columns for the forward about to run, build the bias its layers
         share, and return one cache per layer."""
         start, end = self.length, self.length + n
         if end > self.valid.shape[1]:
@@ -44,7 +47,7 @@ class KVCache:
         keys = torch.arange(end, device=self.valid.device)
         queries = keys[start:, None]
         visible = self.valid[:, None, :end] | (keys == queries)
-        self.mask = (visible & (keys <= queries)).unsqueeze(1)
+        self.bias = logit_bias(visible & (keys <= queries))
         self.length = end
         return self.layers
 
@@ -88,11 +91,12 @@ class LayerCache:
         start, end = cache.length - k.shape[1], cache.length
         self.k[:, :, start:end] = k.transpose(1, 2)
         self.v[:, :, start:end] = v.transpose(1, 2)
-        mask = cache.mask
+        bias = cache.bias
         if window is not None:
-            mask = mask & causal_band(q.shape[1], end, window, q.device)
+            band = causal_band(q.shape[1], end, window, q.device)
+            bias = bias.masked_fill(~band, float("-inf"))
         keys, values = self.k[:, :, :end], self.v[:, :, :end]
-        return cached_attention(q, keys, values, mask, scale=scale, sinks=sinks)
+        return cached_attention(q, keys, values, bias, scale=scale, sinks=sinks)
 
 
 class StaticKVCache(KVCache):
@@ -112,7 +116,7 @@ class StaticKVCache(KVCache):
         if max_len < needed:
             raise ValueError(f"StaticKVCache max_len {max_len} below the {needed} columns needed")
         self.valid = torch.cat([valid, valid.new_zeros(b, max_len - needed)], 1)
-        self.mask: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
         self.layers = [StaticLayerCache(self) for _ in range(n_layers)]
         self.next_column = torch.zeros((), dtype=torch.long, device=valid.device)
         self.columns = self.next_column[None]
@@ -130,7 +134,7 @@ class StaticKVCache(KVCache):
         self.columns = self.next_column + torch.arange(n, device=self.valid.device)
         queries = self.columns[:, None]
         visible = self.valid[:, None, :] | (keys == queries)
-        self.mask = (visible & (keys <= queries)).unsqueeze(1)
+        self.bias = logit_bias(visible & (keys <= queries))
         self.next_column = self.next_column + n
         return self.layers
 
@@ -172,23 +176,30 @@ class StaticLayerCache(LayerCache):
         # Indexed assignment (index_put_), which the compiler keeps in place.
         self.k[:, :, cache.columns] = k.transpose(1, 2)
         self.v[:, :, cache.columns] = v.transpose(1, 2)
-        mask = cache.mask
+        bias = cache.bias
         if window is not None:  # the band by column, as attention's causal_band draws it
             keys = torch.arange(self.k.shape[2], device=q.device)
-            mask = mask & (cache.columns[:, None] - keys < window)
-        return cached_attention(q, self.k, self.v, mask, scale=scale, sinks=sinks)
+            bias = torch.where(cache.columns[:, None] - keys < window, bias, float("-inf"))
+        return cached_attention(q, self.k, self.v, bias, scale=scale, sinks=sinks)
+
+
+def logit_bias(visible: torch.Tensor) -> torch.Tensor:
+    """[b, 1, n, s] fp32 attention bias from the [b, n, s] mask of the keys each query sees:
+    0 where it sees one, -inf where not."""
+    return torch.where(visible, 0.0, float("-inf")).unsqueeze(1)
 
 
 def cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    bias: torch.Tensor,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v written out for a few queries q [b, n, h, d] over a head-major
-    cache k [b, h_kv, s, d], v [b, h_kv, s, d_v] under ``mask`` [b, 1, n, s]: [b, n, h, d_v].
+    cache k [b, h_kv, s, d], v [b, h_kv, s, d_v] with the logit ``bias`` [b, 1, n, s] fp32
+    (0 or -inf: ``KVCache``): [b, n, h, d_v].
 
     The definition ``attention`` computes, in two batched products on the cache as it lies.
     CPU's sdpa kernel is tiled for long query blocks: for a decode step's single query over a
@@ -204,7 +215,7 @@ def cached_attention(
     # [b, n, h_kv * groups, d] -> [b, h_kv, groups * n, d]: query head i reads key head i // groups.
     rows = q.view(b, n, h_kv, groups, d).permute(0, 2, 3, 1, 4).reshape(b, h_kv, groups * n, d)
     scores = (rows @ k.transpose(2, 3)).float() * scale
-    scores = scores.view(b, h_kv, groups, n, s).masked_fill(~mask[:, :, None], float("-inf"))
+    scores = scores.view(b, h_kv, groups, n, s) + bias[:, :, None]
     if sinks is None:
         probs = scores.softmax(dim=-1)
     else:
