@@ -99,6 +99,7 @@ def generate(
     log_probs = torch.zeros(batch, max_new_tokens, device=device) if return_log_probs else None
     greedy = temperature == 0
     with gathered_weights(model):
+        cache.open(ids.shape[1])
         logits = model(ids, positions, cache=cache)[:, -1].float()
         token = sample_next(logits, temperature, top_k, top_p, generator)
         position = positions[:, -1:]
@@ -112,6 +113,7 @@ def generate(
             if step == max_new_tokens - 1 or _all_stopped(tokens, step, stop, lockstep_group):
                 break
             position = position + 1
+            cache.open(1)
             logits, picked = step_fn(model, token[:, None], position, cache, greedy)
             if picked is None:
                 picked = sample_next(logits, temperature, top_k, top_p, generator)

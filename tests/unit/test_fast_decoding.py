@@ -85,20 +85,23 @@ def test_cached_attention_equals_sdpa_over_a_head_major_cache(
 
 
 def test_static_mask_by_hand() -> None:
+    """The static cache's bias covers the columns filled so far, as the growing cache's does,
+    and their count is a tensor's length, not a Python number."""
     valid = torch.tensor([[False, True, True], [True, True, True]])
     cache = StaticKVCache(valid, n_layers=1, max_len=5)
+    cache.open(3)
     cache.extend(3)
     # Prefill: causal over the 3 prompt columns; the padding query sees itself only.
     assert set(cache.bias.unique().tolist()) == {0.0, float("-inf")}
-    assert (cache.bias[0, 0] == 0).int().tolist() == [
-        [1, 0, 0, 0, 0],
-        [0, 1, 0, 0, 0],
-        [0, 1, 1, 0, 0],
-    ]
+    assert (cache.bias[0, 0] == 0).int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    cache.open(1)
     cache.extend(1)
-    # A decode step writes column 3 and sees every valid column up to it, not the free one.
-    assert cache.columns.tolist() == [3]
-    assert (cache.bias[:, 0, 0] == 0).int().tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
+    # A decode step writes column 3 and sees every valid column up to it.
+    assert cache.keys.tolist() == [0, 1, 2, 3] and cache.columns.tolist() == [3]
+    assert (cache.bias[:, 0, 0] == 0).int().tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+    cache.open(1)
+    with pytest.raises(ValueError, match="holds 5 tokens"):
+        cache.open(1)
     with pytest.raises(ValueError, match="pass position_ids"):
         _ = cache.length
 

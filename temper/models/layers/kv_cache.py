@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from temper.kernels.attention import causal_band
+from temper.utils.compat import dynamic_length
 
 
 class KVCache:
@@ -37,6 +38,10 @@ class KVCache:
         self.length = 0
         self.bias: torch.Tensor | None = None
         self.layers = [LayerCache(self) for _ in range(n_layers)]
+
+    def open(self, n: int) -> None:
+        """Nothing: a growing cache makes room in ``extend``. (``StaticKVCache`` needs it
+        before each forward, which is why ``generate`` calls it for every cache.)"""
 
     def extend(self, n: int) -> list[LayerCache]:
         """Open ``n`` more columns for the forward about to run, build the bias its layers
@@ -100,14 +105,18 @@ class LayerCache:
 
 
 class StaticKVCache(KVCache):
-    """A KV cache whose shapes never change between decoding steps (gpt-fast's approach), so
-    one compiled decode step serves every token.
+    """A KV cache whose buffers never change shape (gpt-fast's approach), so one compiled
+    decode step serves every token.
 
-    The columns a forward writes are a tensor (``columns``), not a Python count, and every
-    step attends to the whole preallocated buffer, the columns not yet written hidden by the
-    mask; ``max_len`` may exceed what the rows need (a rounded-up length lets batches of
-    different prompt widths share one compiled step). Same results as ``KVCache``: the
-    hidden columns weigh exactly 0.
+    What a forward reads and writes is given by tensors, never by a Python count (a compiled
+    step would specialize on it): ``keys``, the ids of the columns filled once the forward has
+    run, and ``columns``, the last of them, which the forward writes. ``open(n)`` sets them
+    before each forward of ``n`` tokens, outside the compiled step, and marks the length of
+    ``keys`` as a dynamic size: the step is one graph for every length, and attention reads
+    only the filled columns, as the growing cache does, not the whole buffer (at the rollout
+    benchmark's debug shape the buffers' reads were a third of the compiled step). ``max_len``
+    may exceed what the rows need: a rounded-up length lets batches of different prompt
+    widths share one compiled step.
     """
 
     def __init__(self, valid: torch.Tensor, n_layers: int, max_len: int | None = None) -> None:
@@ -118,8 +127,9 @@ class StaticKVCache(KVCache):
         self.valid = torch.cat([valid, valid.new_zeros(b, max_len - needed)], 1)
         self.bias: torch.Tensor | None = None
         self.layers = [StaticLayerCache(self) for _ in range(n_layers)]
-        self.next_column = torch.zeros((), dtype=torch.long, device=valid.device)
-        self.columns = self.next_column[None]
+        self.column_ids = torch.arange(max_len, device=valid.device)
+        self.keys = self.column_ids[:0]
+        self.columns = self.keys
 
     @property
     def length(self) -> int:  # type: ignore[override]
@@ -127,21 +137,28 @@ class StaticKVCache(KVCache):
         ``position_ids``."""
         raise ValueError("a StaticKVCache counts its columns in a tensor: pass position_ids")
 
+    def open(self, n: int) -> None:
+        """Make room for a forward of ``n`` tokens; call it before each, outside a compiled
+        step (it reads the filled length as a Python number)."""
+        end = self.keys.shape[0] + n
+        if end > self.valid.shape[1]:
+            raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
+        self.keys = dynamic_length(self.column_ids[:end])
+
     def extend(self, n: int) -> list[LayerCache]:
-        """Open ``n`` columns from ``next_column`` on (tensor arithmetic only: no Python
-        value changes between steps, so a compiled step is not re-specialized)."""
-        keys = torch.arange(self.valid.shape[1], device=self.valid.device)
-        self.columns = self.next_column + torch.arange(n, device=self.valid.device)
+        """The columns ``open`` made room for (tensor arithmetic only: no Python value
+        changes between steps), and their bias."""
+        keys = self.keys
+        self.columns = keys[keys.shape[0] - n :]
         queries = self.columns[:, None]
-        visible = self.valid[:, None, :] | (keys == queries)
+        visible = self.valid[:, None, : keys.shape[0]] | (keys == queries)
         self.bias = logit_bias(visible & (keys <= queries))
-        self.next_column = self.next_column + n
         return self.layers
 
 
 class StaticLayerCache(LayerCache):
     """``LayerCache`` for ``StaticKVCache``: writes at the cache's ``columns`` and attends to
-    the whole buffer."""
+    its filled columns, ``keys``."""
 
     cache: StaticKVCache
 
@@ -176,11 +193,12 @@ class StaticLayerCache(LayerCache):
         # Indexed assignment (index_put_), which the compiler keeps in place.
         self.k[:, :, cache.columns] = k.transpose(1, 2)
         self.v[:, :, cache.columns] = v.transpose(1, 2)
-        bias = cache.bias
+        bias, keys = cache.bias, cache.keys
         if window is not None:  # the band by column, as attention's causal_band draws it
-            keys = torch.arange(self.k.shape[2], device=q.device)
             bias = torch.where(cache.columns[:, None] - keys < window, bias, float("-inf"))
-        return cached_attention(q, self.k, self.v, bias, scale=scale, sinks=sinks)
+        filled = keys.shape[0]
+        k_seen, v_seen = self.k[:, :, :filled], self.v[:, :, :filled]
+        return cached_attention(q, k_seen, v_seen, bias, scale=scale, sinks=sinks)
 
 
 def logit_bias(visible: torch.Tensor) -> torch.Tensor:
