@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from temper.generation.fsdp import gathered_weights
-from temper.generation.sampling import check_sampling, sample_next
+from temper.generation.sampling import check_sampling, greedy_pick, sample_next
 from temper.models.layers.kv_cache import KVCache, StaticKVCache
 
 Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]
@@ -176,7 +176,7 @@ def decode_step(
     fused; a sample needs the caller's generator, so it is drawn outside), the cache
     advanced by a column."""
     logits = model(token, positions, cache=cache)[:, -1].float()
-    return logits, logits.argmax(dim=-1) if greedy else None
+    return logits, greedy_pick(logits) if greedy else None
 
 
 _COMPILED: list[Callable[..., torch.Tensor]] = []

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from temper.data.batch import IGNORE_INDEX
 from temper.generation import KVCache, decoding, generate, sample_next
+from temper.generation.sampling import greedy_pick
 from temper.kernels.attention import AttentionBackendError, attention
 from temper.kernels.cross_entropy import linear_log_probs
 from temper.models import get_model_spec, load_hf, materialize
@@ -157,6 +158,29 @@ def test_top_k_1_samples_the_greedy_tokens_and_a_seed_repeats_a_sample() -> None
         for _ in range(2)
     ]
     assert torch.equal(*samples)
+
+
+def test_the_compiled_greedy_pick_is_argmax_ties_included() -> None:
+    """Traced (is_compiling), greedy_pick takes its two-reduction form: the first maximum of
+    each row, as argmax, for ties in the middle, a row all equal and a maximum at the end."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    logits[1, [3, 17, 40]] = 9.0
+    logits[2] = 0.5
+    logits[3, 49] = 100.0
+    logits[4, [0, 49]] = 7.0
+    traced = torch.compile(greedy_pick, backend="eager", fullgraph=True)
+    assert (
+        traced(logits).tolist()
+        == logits.argmax(dim=-1).tolist()
+        == [
+            int(logits[0].argmax()),
+            3,
+            0,
+            49,
+            0,
+        ]
+    )
 
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
