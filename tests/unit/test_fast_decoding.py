@@ -4,9 +4,18 @@ prompts of different widths, and the static cache's mask by hand."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from test_generation import PROMPTS, TINY, tiny_model
+from test_generation import (
+    HF_PROMPTS,
+    PROMPTS,
+    TINY,
+    tiny_hf_llama,
+    tiny_model,
+    transformers_greedy,
+)
 
 from temper.generation import decoding, generate
 from temper.kernels.attention import attention
@@ -137,3 +146,20 @@ def test_the_compiled_step_is_one_graph_for_every_token_and_width(
     _sample(model, True, [[1, 2], [3, 4, 5, 6], [7]])
     assert len(graphs) == 1
     torch.compiler.reset()
+
+
+@pytest.mark.slow
+def test_the_inductor_compiled_step_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
+    """The compiled step with Inductor's code (the tests above trace without generating
+    code): left-padded prompts of 3 to 7 tokens, 12 new ones, so the filled length, a dynamic
+    size in the graph, runs from 8 to 18 columns of a 64-column buffer; the greedy ids of
+    transformers' generate (the two-reduction argmax included)."""
+    hf, native = tiny_hf_llama(tmp_path)
+    torch.compiler.reset()
+    decoding._COMPILED.clear()
+    try:
+        ours = generate(native, HF_PROMPTS, 12, compile=True)
+        assert ours.tokens.tolist() == transformers_greedy(hf, HF_PROMPTS, 12)
+    finally:
+        torch.compiler.reset()
+        decoding._COMPILED.clear()
