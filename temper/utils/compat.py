@@ -67,12 +67,12 @@ def forward_side_effects_once() -> Any:
     return _dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
-def dynamic_length(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with its first dim marked dynamic for torch.compile, which then traces one
-    graph for every length instead of one per length, also under ``dynamic=False`` (the
-    static cache's filled columns). Checked: 2.13. No public equivalent
-    (``torch.compiler`` has none)."""
-    torch._dynamo.mark_dynamic(tensor, 0)
+def dynamic_size(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """``tensor`` with ``dim`` marked dynamic for torch.compile, which then traces one graph
+    for every size of it instead of one per size, also under ``dynamic=False`` (the static
+    cache's filled length). Checked: 2.13. No public equivalent (``torch.compiler`` has
+    none)."""
+    torch._dynamo.mark_dynamic(tensor, dim)
     return tensor
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from temper.kernels.attention import causal_band
-from temper.utils.compat import dynamic_length
+from temper.utils.compat import dynamic_size
 
 
 class KVCache:
@@ -110,13 +110,13 @@ class StaticKVCache(KVCache):
 
     What a forward reads and writes is given by tensors, never by a Python count (a compiled
     step would specialize on it): ``keys``, the ids of the columns filled once the forward has
-    run, and ``columns``, the last of them, which the forward writes. ``open(n)`` sets them
-    before each forward of ``n`` tokens, outside the compiled step, and marks the length of
-    ``keys`` as a dynamic size: the step is one graph for every length, and attention reads
-    only the filled columns, as the growing cache does, not the whole buffer (at the rollout
-    benchmark's debug shape the buffers' reads were a third of the compiled step). ``max_len``
-    may exceed what the rows need: a rounded-up length lets batches of different prompt
-    widths share one compiled step.
+    run, ``columns``, the last of them, which the forward writes, and the ``bias`` over
+    ``keys``. ``open(n)`` sets them before each forward of ``n`` tokens, outside the compiled
+    step, and marks the filled length as a dynamic size: the step is one graph for every
+    length, and attention reads only the filled columns, as the growing cache does, not the
+    whole buffer (at the rollout benchmark's debug shape the buffers' reads were a third of
+    the compiled step). ``max_len`` may exceed what the rows need: a rounded-up length lets
+    batches of different prompt widths share one compiled step.
     """
 
     def __init__(self, valid: torch.Tensor, n_layers: int, max_len: int | None = None) -> None:
@@ -138,21 +138,24 @@ class StaticKVCache(KVCache):
         raise ValueError("a StaticKVCache counts its columns in a tensor: pass position_ids")
 
     def open(self, n: int) -> None:
-        """Make room for a forward of ``n`` tokens; call it before each, outside a compiled
-        step (it reads the filled length as a Python number)."""
+        """Make room for a forward of ``n`` tokens and build its bias; call it before each
+        forward, outside a compiled step (it reads the filled length as a Python number).
+        ``keys`` and ``bias`` have the filled length marked dynamic: a compiled step that
+        FSDP2's hooks split into several graphs gets it as an input of each graph, from
+        tensors built here, so none of them specializes on it."""
         end = self.keys.shape[0] + n
         if end > self.valid.shape[1]:
             raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
-        self.keys = dynamic_length(self.column_ids[:end])
+        keys = self.column_ids[:end]
+        self.columns = keys[end - n :]
+        queries = self.columns[:, None]
+        visible = self.valid[:, None, :end] | (keys == queries)
+        self.keys = dynamic_size(keys, 0)
+        self.bias = dynamic_size(logit_bias(visible & (keys <= queries)), 3)
 
     def extend(self, n: int) -> list[LayerCache]:
-        """The columns ``open`` made room for (tensor arithmetic only: no Python value
-        changes between steps), and their bias."""
-        keys = self.keys
-        self.columns = keys[keys.shape[0] - n :]
-        queries = self.columns[:, None]
-        visible = self.valid[:, None, : keys.shape[0]] | (keys == queries)
-        self.bias = logit_bias(visible & (keys <= queries))
+        """The layers, which read what ``open`` set (no Python value changes between
+        steps)."""
         return self.layers
 
 
