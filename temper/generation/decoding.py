@@ -2,9 +2,9 @@
 
 Two decode steps run the same model: the eager one, with a cache that grows by a column per
 token, and a compiled one (``compile=True``, gpt-fast's approach) on a ``StaticKVCache``,
-whose shapes never change between tokens, so ``torch.compile`` builds one graph for the
-step and runs it for every token. The prefill (one forward over every prompt of the batch)
-runs eagerly in both.
+whose buffers never change shape and whose filled length the graph takes as a dynamic
+size, so ``torch.compile`` builds one graph for the step and runs it for every token. The
+prefill (one forward over every prompt of the batch) runs eagerly in both.
 """
 
 from __future__ import annotations
@@ -179,10 +179,10 @@ def decode_step(
     return logits, greedy_pick(logits) if greedy else None
 
 
-_COMPILED: list[Callable[..., torch.Tensor]] = []
+_COMPILED: list[Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = []
 
 
-def compiled_decode_step() -> Callable[..., torch.Tensor]:
+def compiled_decode_step() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
     """``decode_step`` under ``torch.compile`` with static shapes, built on first use and
     shared (a new model, batch size or cache length adds a graph to it)."""
     if not _COMPILED:

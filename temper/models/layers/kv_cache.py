@@ -114,9 +114,10 @@ class StaticKVCache(KVCache):
     ``keys``. ``open(n)`` sets them before each forward of ``n`` tokens, outside the compiled
     step, and marks the filled length as a dynamic size: the step is one graph for every
     length, and attention reads only the filled columns, as the growing cache does, not the
-    whole buffer (at the rollout benchmark's debug shape the buffers' reads were a third of
-    the compiled step). ``max_len`` may exceed what the rows need: a rounded-up length lets
-    batches of different prompt widths share one compiled step.
+    whole buffer (at the rollout benchmark's debug shape the attention's products over the
+    whole buffer were a third of the compiled step's profile). ``max_len`` may exceed what
+    the rows need: a rounded-up length lets batches of different prompt widths share one
+    compiled step.
     """
 
     def __init__(self, valid: torch.Tensor, n_layers: int, max_len: int | None = None) -> None:
