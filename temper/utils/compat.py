@@ -70,7 +70,7 @@ def forward_side_effects_once() -> Any:
 def dynamic_size(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """``tensor`` with ``dim`` marked dynamic for torch.compile, which then traces one graph
     for every size of it instead of one per size, also under ``dynamic=False`` (the static
-    cache's filled length). Checked: 2.13. No public equivalent (``torch.compiler`` has
+    cache's filled length). Checked: 2.11, 2.13. No public equivalent (``torch.compiler`` has
     none)."""
     torch._dynamo.mark_dynamic(tensor, dim)
     return tensor
