@@ -95,21 +95,28 @@ def test_cached_attention_equals_sdpa_over_a_head_major_cache(
 
 def test_static_mask_by_hand() -> None:
     """The static cache's bias covers the columns filled so far, as the growing cache's does,
-    and their count is a tensor's length, not a Python number."""
-    valid = torch.tensor([[False, True, True], [True, True, True]])
-    cache = StaticKVCache(valid, n_layers=1, max_len=5)
+    and their count is a tensor's length, not a Python number. Columns as ``generate`` lays
+    them out: a left-padded prompt of 3, then 2 decoded columns (valid in every row), and a
+    rounded-up spare one."""
+    valid = torch.tensor([[False, True, True, True, True], [True, True, True, True, True]])
+    cache = StaticKVCache(valid, n_layers=1, max_len=6)
     cache.open(3)
     cache.extend(3)
     # Prefill: causal over the 3 prompt columns; the padding query sees itself only.
     assert set(cache.bias.unique().tolist()) == {0.0, float("-inf")}
     assert (cache.bias[0, 0] == 0).int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    for seen in ([[0, 1, 1, 1], [1, 1, 1, 1]], [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]):
+        # A decode step writes the next column and sees every valid column up to it.
+        cache.open(1)
+        cache.extend(1)
+        end = len(seen[0])
+        assert cache.keys.tolist() == list(range(end)) and cache.columns.tolist() == [end - 1]
+        assert (cache.bias[:, 0, 0] == 0).int().tolist() == seen
+    # The spare column is padding: a query there would see itself too (never a step of
+    # generate's, but the rule that keeps softmax rows non-empty).
     cache.open(1)
-    cache.extend(1)
-    # A decode step writes column 3 and sees every valid column up to it.
-    assert cache.keys.tolist() == [0, 1, 2, 3] and cache.columns.tolist() == [3]
-    assert (cache.bias[:, 0, 0] == 0).int().tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
-    cache.open(1)
-    with pytest.raises(ValueError, match="holds 5 tokens"):
+    assert (cache.bias[:, 0, 0] == 0).int().tolist() == [[0, 1, 1, 1, 1, 1], [1] * 6]
+    with pytest.raises(ValueError, match="holds 6 tokens"):
         cache.open(1)
     with pytest.raises(ValueError, match="pass position_ids"):
         _ = cache.length
