@@ -38,6 +38,25 @@ class KVCache:
         self.length = 0
         self.bias: torch.Tensor | None = None
         self.layers = [LayerCache(self) for _ in range(n_layers)]
+        self._plan_step_bias()
+
+    def _plan_step_bias(self) -> None:
+        """A query at a column where every row holds a token (a decode step's, as
+        ``generate`` lays the columns out) sees exactly the valid columns up to it: its bias
+        is then a slice of ``valid_bias``, built once, instead of ten small ops per token.
+        Which columns qualify is read back once, here, not per step."""
+        self.valid_bias = logit_bias(self.valid[:, None, :])
+        self.all_valid: list[bool] = self.valid.all(dim=0).tolist()
+
+    def _bias(self, keys: torch.Tensor, start: int) -> torch.Tensor:
+        """The bias [b, 1, n, end] of the queries at columns ``start`` to ``end`` over the
+        keys ``keys`` (the ids 0 to end - 1)."""
+        end = keys.shape[0]
+        if end - start == 1 and self.all_valid[start]:
+            return self.valid_bias[..., :end]
+        queries = keys[start:, None]
+        visible = self.valid[:, None, :end] | (keys == queries)
+        return logit_bias(visible & (keys <= queries))
 
     def open(self, n: int) -> None:
         """Nothing: a growing cache makes room in ``extend``. (``StaticKVCache`` needs it
@@ -49,10 +68,7 @@ class KVCache:
         start, end = self.length, self.length + n
         if end > self.valid.shape[1]:
             raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
-        keys = torch.arange(end, device=self.valid.device)
-        queries = keys[start:, None]
-        visible = self.valid[:, None, :end] | (keys == queries)
-        self.bias = logit_bias(visible & (keys <= queries))
+        self.bias = self._bias(torch.arange(end, device=self.valid.device), start)
         self.length = end
         return self.layers
 
@@ -131,10 +147,7 @@ class StaticKVCache(KVCache):
         self.column_ids = torch.arange(max_len, device=valid.device)
         self.keys = self.column_ids[:0]
         self.columns = self.keys
-        # A query at a column every row holds a token at (a decode step's) sees exactly the
-        # valid columns up to it: its bias is a slice of this one, built once.
-        self.valid_bias = logit_bias(self.valid[:, None, :])
-        self.all_valid: list[bool] = self.valid.all(dim=0).tolist()
+        self._plan_step_bias()
 
     @property
     def length(self) -> int:  # type: ignore[override]
@@ -148,22 +161,15 @@ class StaticKVCache(KVCache):
         ``keys`` and ``bias`` have the filled length marked dynamic: a compiled step that
         FSDP2's hooks split into several graphs gets it as an input of each graph, from
         tensors built here, so none of them specializes on it. A decode step's bias is a
-        slice of one built in advance, when every row holds a token at its column (as
-        ``generate`` lays them out): no work per token, where building it took about ten
-        small ops, 4% of the compiled path at dim 64."""
+        slice (``_plan_step_bias``): 4% of the compiled path at dim 64 when it was built per
+        token."""
         end = self.keys.shape[0] + n
         if end > self.valid.shape[1]:
             raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
         keys = self.column_ids[:end]
         self.columns = keys[end - n :]
-        if n == 1 and self.all_valid[end - 1]:
-            bias = self.valid_bias[..., :end]
-        else:
-            queries = self.columns[:, None]
-            visible = self.valid[:, None, :end] | (keys == queries)
-            bias = logit_bias(visible & (keys <= queries))
+        self.bias = dynamic_size(self._bias(keys, end - n), 3)
         self.keys = dynamic_size(keys, 0)
-        self.bias = dynamic_size(bias, 3)
 
     def extend(self, n: int) -> list[LayerCache]:
         """The layers, which read what ``open`` set (no Python value changes between
