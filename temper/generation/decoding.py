@@ -2,9 +2,9 @@
 
 Two decode steps run the same model: the eager one, with a cache that grows by a column per
 token, and a compiled one (``compile=True``, gpt-fast's approach) on a ``StaticKVCache``,
-whose shapes never change between tokens, so ``torch.compile`` builds one graph for the
-step and runs it for every token. The prefill (one forward over every prompt of the batch)
-runs eagerly in both.
+whose buffers never change shape and whose filled length the graph takes as a dynamic
+size, so ``torch.compile`` builds one graph for the step and runs it for every token. The
+prefill (one forward over every prompt of the batch) runs eagerly in both.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from temper.generation.fsdp import gathered_weights
-from temper.generation.sampling import check_sampling, sample_next
+from temper.generation.sampling import check_sampling, greedy_pick, sample_next
 from temper.models.layers.kv_cache import KVCache, StaticKVCache
 
 Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]
@@ -72,8 +72,8 @@ def generate(
     later columns hold ``pad_id`` (any int: it is never fed to the model). Under FSDP2 the
     weights are gathered once for the whole call (``gathered_weights``). With
     ``lockstep_group`` (expert parallelism: each token's forward is an all-to-all) every rank
-    of the group decodes until all of them are done, one all-reduce of a done flag per step;
-    a rank whose rows all stopped keeps running padded steps.
+    of the group decodes until all of them are done, one all-reduce of a done flag every
+    ``STOP_CHECK_EVERY`` steps; a rank whose rows all stopped keeps running padded steps.
 
     ``compile``: decode with the compiled step on a static cache (module docstring); the
     first call for a model, batch size and rounded length compiles (seconds to minutes),
@@ -97,36 +97,70 @@ def generate(
     stop = torch.tensor(sorted(stop_tokens), dtype=torch.long, device=device)
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     log_probs = torch.zeros(batch, max_new_tokens, device=device) if return_log_probs else None
-    lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    greedy = temperature == 0
     with gathered_weights(model):
+        cache.open(ids.shape[1])
         logits = model(ids, positions, cache=cache)[:, -1].float()
+        token = sample_next(logits, temperature, top_k, top_p, generator)
+        position = positions[:, -1:]
         for step in range(max_new_tokens):
-            # A finished row still runs (the batch moves together) on what it samples; its
-            # output is padded over, so pad_id never reaches the model and needs no embedding.
-            token = sample_next(logits, temperature, top_k, top_p, generator)
-            tokens[:, step] = token.masked_fill(done, pad_id)
+            # A finished row still runs (the batch moves together) on what it samples; what
+            # follows its stop token is padded over after the loop (``_cut_at_stops``), so
+            # pad_id never reaches the model and needs no embedding.
+            tokens[:, step] = token
             if log_probs is not None:
-                scaled = logits / temperature if temperature > 0 else logits
-                picked = scaled.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
-                log_probs[:, step] = picked.masked_fill(done, 0.0)
-            stopped = ~done & torch.isin(token, stop)
-            lengths = lengths.masked_fill(stopped, step + 1)
-            done |= stopped
-            if step == max_new_tokens - 1 or _all_done(done, lockstep_group):
+                log_probs[:, step] = _log_prob(logits, token, temperature)
+            if step == max_new_tokens - 1 or _all_stopped(tokens, step, stop, lockstep_group):
                 break
-            positions = positions[:, -1:] + 1
-            logits = step_fn(model, token[:, None], positions, cache)
+            position = position + 1
+            cache.open(1)
+            logits, picked = step_fn(model, token[:, None], position, cache, greedy)
+            if picked is None:
+                picked = sample_next(logits, temperature, top_k, top_p, generator)
+            token = picked
+    lengths = _cut_at_stops(tokens[:, : step + 1], log_probs, stop, pad_id)
     return Generation(tokens, lengths, log_probs)
 
 
-def _all_done(done: torch.Tensor, group: ProcessGroup | None) -> bool:
-    """Every row of this rank done, and with ``group`` every row of every rank in it."""
+def _log_prob(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log-probability [b] of each row's ``token`` under softmax(logits / temperature)."""
+    scaled = logits / temperature if temperature > 0 else logits
+    return scaled.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
+
+
+STOP_CHECK_EVERY = 8
+"""Decode steps between two checks for every row having stopped. A check reads a flag back
+from the device (and in lockstep all-reduces it); rows that stop in between run up to this
+many steps more, whose tokens are padded over, so the result is the same."""
+
+
+def _all_stopped(
+    tokens: torch.Tensor, step: int, stop: torch.Tensor, group: ProcessGroup | None
+) -> bool:
+    """Every row of this rank (with ``group``: of every rank in it) holds a stop token in its
+    first ``step + 1`` columns; checked every ``STOP_CHECK_EVERY`` steps, and never without
+    stop tokens (every rank then runs all the steps)."""
+    if stop.numel() == 0 or (step + 1) % STOP_CHECK_EVERY:
+        return False
+    done = torch.isin(tokens[:, : step + 1], stop).any(dim=1).all()
     if group is None:
-        return bool(done.all())
-    flag = done.all().to(torch.int32)
+        return bool(done)
+    flag = done.to(torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag)
+
+
+def _cut_at_stops(
+    tokens: torch.Tensor, log_probs: torch.Tensor | None, stop: torch.Tensor, pad_id: int
+) -> torch.Tensor:
+    """Pad over (in place) what each row of ``tokens`` [b, n] decoded after its first stop
+    token, zero those log-probs, and return the rows' lengths [b], stop token included."""
+    hits = torch.isin(tokens, stop)
+    after = (hits.cumsum(dim=1) - hits.long()) > 0
+    tokens.masked_fill_(after, pad_id)
+    if log_probs is not None:
+        log_probs[:, : tokens.shape[1]].masked_fill_(after, 0.0)
+    return tokens.shape[1] - after.sum(dim=1)
 
 
 STATIC_LENGTH_STEP = 64
@@ -135,17 +169,20 @@ widths share a compiled step."""
 
 
 def decode_step(
-    model: nn.Module, token: torch.Tensor, positions: torch.Tensor, cache: KVCache
-) -> torch.Tensor:
+    model: nn.Module, token: torch.Tensor, positions: torch.Tensor, cache: KVCache, greedy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoding step: tokens [b, 1] at positions [b, 1] -> next-token logits [b, vocab]
-    in fp32, the cache advanced by a column."""
-    return model(token, positions, cache=cache)[:, -1].float()
+    in fp32 and, when ``greedy``, their argmax [b] (inside the compiled graph, where it is
+    fused; a sample needs the caller's generator, so it is drawn outside), the cache
+    advanced by a column."""
+    logits = model(token, positions, cache=cache)[:, -1].float()
+    return logits, greedy_pick(logits) if greedy else None
 
 
-_COMPILED: list[Callable[..., torch.Tensor]] = []
+_COMPILED: list[Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = []
 
 
-def compiled_decode_step() -> Callable[..., torch.Tensor]:
+def compiled_decode_step() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
     """``decode_step`` under ``torch.compile`` with static shapes, built on first use and
     shared (a new model, batch size or cache length adds a graph to it)."""
     if not _COMPILED:

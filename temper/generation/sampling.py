@@ -27,7 +27,7 @@ def sample_next(
     nothing); otherwise the logits are divided by the temperature, filtered by top-k, then by
     top-p, and a token is drawn with ``generator`` (same generator state, same tokens)."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return greedy_pick(logits)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
@@ -35,6 +35,21 @@ def sample_next(
     if top_p < 1:
         logits = _nucleus(logits, top_p)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``: the first index of each row's largest logit. Inside a
+    compiled graph it is written as two max-reductions, which Inductor vectorizes on CPU and
+    its argmax is not (at batch 64 and vocab 2048: 98 us per decode step for the argmax
+    kernel, 6% of the compiled step). A row with a NaN gives the last index there."""
+    if not torch.compiler.is_compiling():
+        return logits.argmax(dim=-1)
+    vocab = logits.shape[-1]
+    top = logits.amax(dim=-1, keepdim=True)
+    # vocab - i at each maximum i: the largest is the first maximum's.
+    countdown = torch.arange(vocab, 0, -1, device=logits.device)
+    first = vocab - torch.where(logits == top, countdown, 0).amax(dim=-1)
+    return first.clamp(max=vocab - 1)
 
 
 def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:

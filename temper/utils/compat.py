@@ -67,6 +67,15 @@ def forward_side_effects_once() -> Any:
     return _dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
+def dynamic_size(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """``tensor`` with ``dim`` marked dynamic for torch.compile, which then traces one graph
+    for every size of it instead of one per size, also under ``dynamic=False`` (the static
+    cache's filled length). Checked: 2.11, 2.13. No public equivalent (``torch.compiler`` has
+    none)."""
+    torch._dynamo.mark_dynamic(tensor, dim)
+    return tensor
+
+
 grouped_mm = torch._grouped_mm
 """Grouped GEMM over expert groups (``offs``); CUDA SM80+ bf16, and CPU fp32/bf16 in 2.13.
 Checked: 2.11, 2.13. No public equivalent."""

@@ -121,3 +121,49 @@ def test_fsdp_generation_equals_one_process_with_weights_gathered_once(
                 for name in got["sharded_after_forward"]
             }
             assert got["sharded_after_forward"] == expected, (family, rank)
+
+
+def _compiled_generate_on_rank(folder: str) -> dict[str, object]:
+    """``compile=True`` under FSDP2, traced by a counting backend (no code generation): FSDP2's
+    hooks split the step into several graphs, and each must take the filled length as
+    dynamic (the attention's bias and key ids are its inputs); a longer rollout then adds
+    none."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from temper.generation import decoding
+    from temper.models import build_hf_model, materialize
+    from temper.parallel.fsdp import apply_fsdp
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    decoding._COMPILED[:] = [torch.compile(decoding.decode_step, backend=backend, dynamic=False)]
+    model = build_hf_model(folder)
+    mesh = init_device_mesh("cpu", (2,))
+    apply_fsdp(model, mesh, param_dtype=torch.float32, reshard_after_forward="default")
+    materialize(model, "cpu", hf_path=folder)
+    generate(model, PROMPTS[rank], 2)  # FSDP2's lazy initialization, eager
+    generate(model, PROMPTS[rank], 3, compile=True)
+    traced = len(graphs)
+    out = generate(model, PROMPTS[rank], NEW[rank], return_log_probs=True, compile=True)
+    return {"tokens": out.tokens, "log_probs": out.log_probs, "graphs": (traced, len(graphs))}
+
+
+@pytest.mark.slow
+def test_fsdp_compiled_generation_equals_one_process_without_retracing(
+    folders: dict[str, str],
+) -> None:
+    ranks = run_on_ranks(_compiled_generate_on_rank, 2, folders["llama3"], timeout=180)
+    single = load_hf(folders["llama3"])
+    for rank, got in enumerate(ranks):
+        ref = generate(single, PROMPTS[rank], NEW[rank], return_log_probs=True)
+        assert torch.equal(got["tokens"], ref.tokens), rank
+        torch.testing.assert_close(got["log_probs"], ref.log_probs, rtol=0, atol=1e-5)
+        traced, after = got["graphs"]
+        assert traced > 1 and after == traced, (rank, traced, after)

@@ -4,14 +4,23 @@ prompts of different widths, and the static cache's mask by hand."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from test_generation import PROMPTS, TINY, tiny_model
+from test_generation import (
+    HF_PROMPTS,
+    PROMPTS,
+    TINY,
+    tiny_hf_llama,
+    tiny_model,
+    transformers_greedy,
+)
 
 from temper.generation import decoding, generate
 from temper.kernels.attention import attention
 from temper.models import build_model, materialize
-from temper.models.layers.kv_cache import StaticKVCache, cached_attention
+from temper.models.layers.kv_cache import StaticKVCache, cached_attention, logit_bias
 
 NEW = 6
 
@@ -79,24 +88,36 @@ def test_cached_attention_equals_sdpa_over_a_head_major_cache(
     want = attention(q, k, v, mask=mask, window=window, scale=scale, sinks=sink)
     if window is not None:
         mask = mask & (queries - keys < window)
-    got = cached_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale, sinks=sink)
+    bias = logit_bias(mask.squeeze(1))
+    got = cached_attention(q, k.transpose(1, 2), v.transpose(1, 2), bias, scale=scale, sinks=sink)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_static_mask_by_hand() -> None:
-    valid = torch.tensor([[False, True, True], [True, True, True]])
-    cache = StaticKVCache(valid, n_layers=1, max_len=5)
+    """The static cache's bias covers the columns filled so far, as the growing cache's does,
+    and their count is a tensor's length, not a Python number. Columns as ``generate`` lays
+    them out: a left-padded prompt of 3, then 2 decoded columns (valid in every row), and a
+    rounded-up spare one."""
+    valid = torch.tensor([[False, True, True, True, True], [True, True, True, True, True]])
+    cache = StaticKVCache(valid, n_layers=1, max_len=6)
+    cache.open(3)
     cache.extend(3)
     # Prefill: causal over the 3 prompt columns; the padding query sees itself only.
-    assert cache.mask[0, 0].int().tolist() == [
-        [1, 0, 0, 0, 0],
-        [0, 1, 0, 0, 0],
-        [0, 1, 1, 0, 0],
-    ]
-    cache.extend(1)
-    # A decode step writes column 3 and sees every valid column up to it, not the free one.
-    assert cache.columns.tolist() == [3]
-    assert cache.mask[:, 0, 0].int().tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
+    assert set(cache.bias.unique().tolist()) == {0.0, float("-inf")}
+    assert (cache.bias[0, 0] == 0).int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    for seen in ([[0, 1, 1, 1], [1, 1, 1, 1]], [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]):
+        # A decode step writes the next column and sees every valid column up to it.
+        cache.open(1)
+        cache.extend(1)
+        end = len(seen[0])
+        assert cache.keys.tolist() == list(range(end)) and cache.columns.tolist() == [end - 1]
+        assert (cache.bias[:, 0, 0] == 0).int().tolist() == seen
+    # The spare column is padding: a query there would see itself too (never a step of
+    # generate's, but the rule that keeps softmax rows non-empty).
+    cache.open(1)
+    assert (cache.bias[:, 0, 0] == 0).int().tolist() == [[0, 1, 1, 1, 1, 1], [1] * 6]
+    with pytest.raises(ValueError, match="holds 6 tokens"):
+        cache.open(1)
     with pytest.raises(ValueError, match="pass position_ids"):
         _ = cache.length
 
@@ -132,3 +153,20 @@ def test_the_compiled_step_is_one_graph_for_every_token_and_width(
     _sample(model, True, [[1, 2], [3, 4, 5, 6], [7]])
     assert len(graphs) == 1
     torch.compiler.reset()
+
+
+@pytest.mark.slow
+def test_the_inductor_compiled_step_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
+    """The compiled step with Inductor's code (the tests above trace without generating
+    code): left-padded prompts of 3 to 7 tokens, 12 new ones, so the filled length, a dynamic
+    size in the graph, runs from 8 to 18 columns of a 64-column buffer; the greedy ids of
+    transformers' generate (the two-reduction argmax included)."""
+    hf, native = tiny_hf_llama(tmp_path)
+    torch.compiler.reset()
+    decoding._COMPILED.clear()
+    try:
+        ours = generate(native, HF_PROMPTS, 12, compile=True)
+        assert ours.tokens.tolist() == transformers_greedy(hf, HF_PROMPTS, 12)
+    finally:
+        torch.compiler.reset()
+        decoding._COMPILED.clear()

@@ -4,7 +4,6 @@ forward for log-probabilities, transformers' generate, and sampling distribution
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from temper.data.batch import IGNORE_INDEX
-from temper.generation import KVCache, generate, sample_next
+from temper.generation import KVCache, decoding, generate, sample_next
+from temper.generation.sampling import greedy_pick
 from temper.kernels.attention import AttentionBackendError, attention
 from temper.kernels.cross_entropy import linear_log_probs
 from temper.models import get_model_spec, load_hf, materialize
@@ -128,6 +128,26 @@ def test_stop_tokens_end_rows_and_pad_after() -> None:
         assert out.log_probs[i, n:].tolist() == [0.0] * (NEW - n)
 
 
+def test_a_batch_whose_rows_all_stopped_ends_early_with_the_same_tokens() -> None:
+    """Stop tokens that every row meets within 4 tokens of 20: the run without them cut after
+    each row's first one, from the prefill and STOP_CHECK_EVERY - 1 decode steps, the first
+    check after every row stopped (20 forwards without the stops)."""
+    model = tiny_model("llama3")
+    new = 20
+    full = generate(model, PROMPTS, new, return_log_probs=True)
+    stops = {row[3] for row in full.tokens.tolist()}
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    out = generate(model, PROMPTS, new, stop_tokens=stops, pad_id=-1, return_log_probs=True)
+    assert len(forwards) == decoding.STOP_CHECK_EVERY
+    for i, row in enumerate(full.tokens.tolist()):
+        n = next(j for j, t in enumerate(row) if t in stops) + 1
+        assert n <= 4 and out.lengths[i] == n
+        assert out.tokens[i].tolist() == row[:n] + [-1] * (new - n)
+        torch.testing.assert_close(out.log_probs[i, :n], full.log_probs[i, :n], rtol=0, atol=1e-6)
+        assert out.log_probs[i, n:].tolist() == [0.0] * (new - n)
+
+
 def test_top_k_1_samples_the_greedy_tokens_and_a_seed_repeats_a_sample() -> None:
     model = tiny_model("qwen3")
     greedy = generate(model, PROMPTS, NEW).tokens
@@ -137,6 +157,29 @@ def test_top_k_1_samples_the_greedy_tokens_and_a_seed_repeats_a_sample() -> None
         for _ in range(2)
     ]
     assert torch.equal(*samples)
+
+
+def test_the_compiled_greedy_pick_is_argmax_ties_included() -> None:
+    """Traced (is_compiling), greedy_pick takes its two-reduction form: the first maximum of
+    each row, as argmax, for ties in the middle, a row all equal and a maximum at the end."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    logits[1, [3, 17, 40]] = 9.0
+    logits[2] = 0.5
+    logits[3, 49] = 100.0
+    logits[4, [0, 49]] = 7.0
+    traced = torch.compile(greedy_pick, backend="eager", fullgraph=True)
+    assert (
+        traced(logits).tolist()
+        == logits.argmax(dim=-1).tolist()
+        == [
+            int(logits[0].argmax()),
+            3,
+            0,
+            49,
+            0,
+        ]
+    )
 
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
@@ -190,11 +233,13 @@ def test_kv_cache_mask_by_hand() -> None:
     valid = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     cache = KVCache(valid, n_layers=1)
     cache.extend(3)
-    assert cache.mask.shape == (2, 1, 3, 3)
-    assert cache.mask[0, 0].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
-    assert cache.mask[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert cache.bias.shape == (2, 1, 3, 3) and cache.bias.dtype == torch.float32
+    assert set(cache.bias.unique().tolist()) == {0.0, float("-inf")}
+    seen = cache.bias == 0
+    assert seen[0, 0].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    assert seen[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     cache.extend(1)
-    assert cache.mask[:, 0].int().tolist() == [[[0, 1, 1, 1]], [[1, 1, 1, 1]]]
+    assert (cache.bias[:, 0] == 0).int().tolist() == [[[0, 1, 1, 1]], [[1, 1, 1, 1]]]
     with pytest.raises(ValueError, match="holds 4 tokens"):
         cache.extend(1)
 
@@ -215,9 +260,9 @@ def test_a_cache_refuses_packed_documents() -> None:
         model(ids, cache=KVCache(torch.ones(1, 3, dtype=torch.bool), 2), docs=docs)
 
 
-def test_greedy_equals_transformers_generate(tmp_path: Path) -> None:
-    """A tiny Llama (GQA, Llama 3 rope scaling) saved by transformers and loaded with load_hf:
-    left-padded batch, same new ids as transformers' greedy generate."""
+def tiny_hf_llama(folder: Path) -> tuple[LlamaForCausalLM, nn.Module]:
+    """A tiny Llama (GQA, Llama 3 rope scaling) saved by transformers in ``folder``, and the
+    same weights loaded with load_hf."""
     config = LlamaConfig(
         vocab_size=96,
         hidden_size=64,
@@ -240,17 +285,27 @@ def test_greedy_equals_transformers_generate(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(config).eval()
-    hf.save_pretrained(tmp_path)
-    native = load_hf(tmp_path)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
-    new = 10
-    ours = generate(native, prompts, new, pad_id=0)
+    hf.save_pretrained(folder)
+    return hf, load_hf(folder)
+
+
+def transformers_greedy(hf: LlamaForCausalLM, prompts: list[list[int]], new: int) -> list:
+    """transformers' greedy ``generate`` on the left-padded prompts: the new ids per row."""
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
     with torch.no_grad():
-        theirs = hf.generate(
+        out = hf.generate(
             ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
         )
-    assert ours.tokens.tolist() == theirs[:, width:].tolist()
-    assert not math.isnan(ours.tokens.float().sum().item())
+    return out[:, width:].tolist()
+
+
+HF_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44]]
+
+
+def test_greedy_equals_transformers_generate(tmp_path: Path) -> None:
+    """Left-padded batch, same new ids as transformers' greedy generate."""
+    hf, native = tiny_hf_llama(tmp_path)
+    ours = generate(native, HF_PROMPTS, 10, pad_id=0)
+    assert ours.tokens.tolist() == transformers_greedy(hf, HF_PROMPTS, 10)

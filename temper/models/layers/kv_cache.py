@@ -14,16 +14,20 @@ from __future__ import annotations
 import torch
 
 from temper.kernels.attention import causal_band
+from temper.utils.compat import dynamic_size
 
 
 class KVCache:
     """Every layer's keys and values for a batch of rows decoded together.
 
     ``valid`` [b, max_len] is True where a column holds a real token (False: left padding);
-    ``length`` columns are filled. ``mask`` [b, 1, n, length] is the running forward's: a query
-    at column i attends to the valid columns up to i, and a padding query to itself only, so no
+    ``length`` columns are filled. ``bias`` [b, 1, n, length] fp32 is the running forward's
+    attention mask as a logit bias, 0 where a query sees a key and -inf where not: a query at
+    column i attends to the valid columns up to i, and a padding query to itself only, so no
     softmax row is empty (an empty row gives NaN, which would reach real tokens through the
-    cached values even with a weight of 0).
+    cached values even with a weight of 0). Added to the logits rather than applied with
+    ``masked_fill``, whose boolean mask the compiler's CPU kernels read back slowly (the masked
+    softmax took 3x as long as with the bias in a compiled decode step).
 
     Plain classes, not dataclasses: FSDP2 rebuilds dataclass arguments when it casts a
     module's inputs, and the copy would drop what a layer writes.
@@ -32,19 +36,39 @@ class KVCache:
     def __init__(self, valid: torch.Tensor, n_layers: int) -> None:
         self.valid = valid
         self.length = 0
-        self.mask: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
         self.layers = [LayerCache(self) for _ in range(n_layers)]
+        self._plan_step_bias()
+
+    def _plan_step_bias(self) -> None:
+        """A query at a column where every row holds a token (a decode step's, as
+        ``generate`` lays the columns out) sees exactly the valid columns up to it: its bias
+        is then a slice of ``valid_bias``, built once, instead of ten small ops per token.
+        Which columns qualify is read back once, here, not per step."""
+        self.valid_bias = logit_bias(self.valid[:, None, :])
+        self.all_valid: list[bool] = self.valid.all(dim=0).tolist()
+
+    def _bias(self, keys: torch.Tensor, start: int) -> torch.Tensor:
+        """The bias [b, 1, n, end] of the queries at columns ``start`` to ``end`` over the
+        keys ``keys`` (the ids 0 to end - 1)."""
+        end = keys.shape[0]
+        if end - start == 1 and self.all_valid[start]:
+            return self.valid_bias[..., :end]
+        queries = keys[start:, None]
+        visible = self.valid[:, None, :end] | (keys == queries)
+        return logit_bias(visible & (keys <= queries))
+
+    def open(self, n: int) -> None:
+        """Nothing: a growing cache makes room in ``extend``. (``StaticKVCache`` needs it
+        before each forward, which is why ``generate`` calls it for every cache.)"""
 
     def extend(self, n: int) -> list[LayerCache]:
-        """Open ``n`` more columns for the forward about to run, build the mask its layers
+        """Open ``n`` more columns for the forward about to run, build the bias its layers
         share, and return one cache per layer."""
         start, end = self.length, self.length + n
         if end > self.valid.shape[1]:
             raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
-        keys = torch.arange(end, device=self.valid.device)
-        queries = keys[start:, None]
-        visible = self.valid[:, None, :end] | (keys == queries)
-        self.mask = (visible & (keys <= queries)).unsqueeze(1)
+        self.bias = self._bias(torch.arange(end, device=self.valid.device), start)
         self.length = end
         return self.layers
 
@@ -88,22 +112,28 @@ class LayerCache:
         start, end = cache.length - k.shape[1], cache.length
         self.k[:, :, start:end] = k.transpose(1, 2)
         self.v[:, :, start:end] = v.transpose(1, 2)
-        mask = cache.mask
+        bias = cache.bias
         if window is not None:
-            mask = mask & causal_band(q.shape[1], end, window, q.device)
+            band = causal_band(q.shape[1], end, window, q.device)
+            bias = bias.masked_fill(~band, float("-inf"))
         keys, values = self.k[:, :, :end], self.v[:, :, :end]
-        return cached_attention(q, keys, values, mask, scale=scale, sinks=sinks)
+        return cached_attention(q, keys, values, bias, scale=scale, sinks=sinks)
 
 
 class StaticKVCache(KVCache):
-    """A KV cache whose shapes never change between decoding steps (gpt-fast's approach), so
-    one compiled decode step serves every token.
+    """A KV cache whose buffers never change shape (gpt-fast's approach), so one compiled
+    decode step serves every token.
 
-    The columns a forward writes are a tensor (``columns``), not a Python count, and every
-    step attends to the whole preallocated buffer, the columns not yet written hidden by the
-    mask; ``max_len`` may exceed what the rows need (a rounded-up length lets batches of
-    different prompt widths share one compiled step). Same results as ``KVCache``: the
-    hidden columns weigh exactly 0.
+    What a forward reads and writes is given by tensors, never by a Python count (a compiled
+    step would specialize on it): ``keys``, the ids of the columns filled once the forward has
+    run, ``columns``, the last of them, which the forward writes, and the ``bias`` over
+    ``keys``. ``open(n)`` sets them before each forward of ``n`` tokens, outside the compiled
+    step, and marks the filled length as a dynamic size: the step is one graph for every
+    length, and attention reads only the filled columns, as the growing cache does, not the
+    whole buffer (at the rollout benchmark's debug shape the attention's products over the
+    whole buffer were a third of the compiled step's profile). ``max_len`` may exceed what
+    the rows need: a rounded-up length lets batches of different prompt widths share one
+    compiled step.
     """
 
     def __init__(self, valid: torch.Tensor, n_layers: int, max_len: int | None = None) -> None:
@@ -112,10 +142,12 @@ class StaticKVCache(KVCache):
         if max_len < needed:
             raise ValueError(f"StaticKVCache max_len {max_len} below the {needed} columns needed")
         self.valid = torch.cat([valid, valid.new_zeros(b, max_len - needed)], 1)
-        self.mask: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
         self.layers = [StaticLayerCache(self) for _ in range(n_layers)]
-        self.next_column = torch.zeros((), dtype=torch.long, device=valid.device)
-        self.columns = self.next_column[None]
+        self.column_ids = torch.arange(max_len, device=valid.device)
+        self.keys = self.column_ids[:0]
+        self.columns = self.keys
+        self._plan_step_bias()
 
     @property
     def length(self) -> int:  # type: ignore[override]
@@ -123,21 +155,31 @@ class StaticKVCache(KVCache):
         ``position_ids``."""
         raise ValueError("a StaticKVCache counts its columns in a tensor: pass position_ids")
 
+    def open(self, n: int) -> None:
+        """Make room for a forward of ``n`` tokens and build its bias; call it before each
+        forward, outside a compiled step (it reads the filled length as a Python number).
+        ``keys`` and ``bias`` have the filled length marked dynamic: a compiled step that
+        FSDP2's hooks split into several graphs gets it as an input of each graph, from
+        tensors built here, so none of them specializes on it. A decode step's bias is a
+        slice (``_plan_step_bias``): 4% of the compiled path at dim 64 when it was built per
+        token."""
+        end = self.keys.shape[0] + n
+        if end > self.valid.shape[1]:
+            raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
+        keys = self.column_ids[:end]
+        self.columns = keys[end - n :]
+        self.bias = dynamic_size(self._bias(keys, end - n), 3)
+        self.keys = dynamic_size(keys, 0)
+
     def extend(self, n: int) -> list[LayerCache]:
-        """Open ``n`` columns from ``next_column`` on (tensor arithmetic only: no Python
-        value changes between steps, so a compiled step is not re-specialized)."""
-        keys = torch.arange(self.valid.shape[1], device=self.valid.device)
-        self.columns = self.next_column + torch.arange(n, device=self.valid.device)
-        queries = self.columns[:, None]
-        visible = self.valid[:, None, :] | (keys == queries)
-        self.mask = (visible & (keys <= queries)).unsqueeze(1)
-        self.next_column = self.next_column + n
+        """The layers, which read what ``open`` set (no Python value changes between
+        steps)."""
         return self.layers
 
 
 class StaticLayerCache(LayerCache):
     """``LayerCache`` for ``StaticKVCache``: writes at the cache's ``columns`` and attends to
-    the whole buffer."""
+    its filled columns, ``keys``."""
 
     cache: StaticKVCache
 
@@ -172,23 +214,31 @@ class StaticLayerCache(LayerCache):
         # Indexed assignment (index_put_), which the compiler keeps in place.
         self.k[:, :, cache.columns] = k.transpose(1, 2)
         self.v[:, :, cache.columns] = v.transpose(1, 2)
-        mask = cache.mask
+        bias, keys = cache.bias, cache.keys
         if window is not None:  # the band by column, as attention's causal_band draws it
-            keys = torch.arange(self.k.shape[2], device=q.device)
-            mask = mask & (cache.columns[:, None] - keys < window)
-        return cached_attention(q, self.k, self.v, mask, scale=scale, sinks=sinks)
+            bias = torch.where(cache.columns[:, None] - keys < window, bias, float("-inf"))
+        filled = keys.shape[0]
+        k_seen, v_seen = self.k[:, :, :filled], self.v[:, :, :filled]
+        return cached_attention(q, k_seen, v_seen, bias, scale=scale, sinks=sinks)
+
+
+def logit_bias(visible: torch.Tensor) -> torch.Tensor:
+    """[b, 1, n, s] fp32 attention bias from the [b, n, s] mask of the keys each query sees:
+    0 where it sees one, -inf where not."""
+    return torch.where(visible, 0.0, float("-inf")).unsqueeze(1)
 
 
 def cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    bias: torch.Tensor,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v written out for a few queries q [b, n, h, d] over a head-major
-    cache k [b, h_kv, s, d], v [b, h_kv, s, d_v] under ``mask`` [b, 1, n, s]: [b, n, h, d_v].
+    cache k [b, h_kv, s, d], v [b, h_kv, s, d_v] with the logit ``bias`` [b, 1, n, s] fp32
+    (0 or -inf: ``KVCache``): [b, n, h, d_v].
 
     The definition ``attention`` computes, in two batched products on the cache as it lies.
     CPU's sdpa kernel is tiled for long query blocks: for a decode step's single query over a
@@ -204,7 +254,7 @@ def cached_attention(
     # [b, n, h_kv * groups, d] -> [b, h_kv, groups * n, d]: query head i reads key head i // groups.
     rows = q.view(b, n, h_kv, groups, d).permute(0, 2, 3, 1, 4).reshape(b, h_kv, groups * n, d)
     scores = (rows @ k.transpose(2, 3)).float() * scale
-    scores = scores.view(b, h_kv, groups, n, s).masked_fill(~mask[:, :, None], float("-inf"))
+    scores = scores.view(b, h_kv, groups, n, s) + bias[:, :, None]
     if sinks is None:
         probs = scores.softmax(dim=-1)
     else:
