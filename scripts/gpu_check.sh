@@ -20,10 +20,12 @@ triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/g
 
 # Kernel parity (every Triton op vs its reference, forward and gradients), then the tests
 # whose fast paths only run on CUDA (grouped GEMM, flash varlen / flex attention, selective
-# checkpointing keeping each backend's output, FLA's gated delta rule when fla is installed).
+# checkpointing keeping each backend's output, FLA's gated delta rule when fla is installed,
+# the compiled decode step and compiled MoE / Gated DeltaNet blocks).
 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_kernels_triton.py \
   tests/unit/test_grouped_gemm.py tests/unit/test_attention.py tests/unit/test_gpt_oss.py \
-  tests/unit/test_gated_deltanet.py tests/distributed/test_activation_checkpoint.py 2>&1 \
+  tests/unit/test_gated_deltanet.py tests/distributed/test_activation_checkpoint.py \
+  tests/unit/test_fast_decoding.py tests/unit/test_moe_compile.py 2>&1 \
   | tee "$LOGS/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
@@ -53,6 +55,9 @@ if [ "${BENCH:-1}" != 0 ]; then
   # Llama 3 8B-shaped layers (4 of 32, full 128K vocabulary) and a Qwen3-30B-A3B-shaped MoE.
   "$PY" -m bench.train_step --device cuda --dtype bfloat16 --batch 2 --seq-len 4096 --steps 5 \
     --cases llama3-8b-4l,qwen3-moe-30b-a3b-4l 2>&1 | tee "$LOGS/bench.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # Rollouts: the eager and compiled decoders against transformers' generate, bf16.
+  "$PY" -m bench.rollout --device cuda --dtype bfloat16 --rounds 3 2>&1 | tee "$LOGS/rollout.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   # Optimizer step, Muon against AdamW, on Llama 3 8B-shaped layers (4 of 32).
   "$PY" -m bench.optimizer_step --device cuda --world 1 --model llama3:8b --layers 4 --steps 5 \
