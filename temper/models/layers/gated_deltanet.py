@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.causal_conv import causal_conv
 from temper.kernels.gated_delta import gated_delta_rule, recurrent_gated_delta_rule
+from temper.models.layers.fused_linear import fused_linears
 from temper.models.layers.init import init_linear
 from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import GatedRMSNorm
@@ -75,10 +76,11 @@ class GatedDeltaNet(nn.Module):
     def project(self, x: torch.Tensor) -> Projections:
         """x [b, s, dim] -> q, k [b, s, n_k, d_k]; v, z [b, s, n_v, d_v]; b, a [b, s, n_v]."""
         b, s, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = (t.view(b, s, self.n_k_heads, self.k_head_dim) for t in (q, k))
-        v, z = (t.view(b, s, self.n_v_heads, self.v_head_dim) for t in (v, self.wz(x)))
-        return q, k, v, z, self.wb(x), self.wa(x)
+        qkv, z, beta, a = fused_linears(x, (self.wqkv, self.wz, self.wb, self.wa))
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = (t.reshape(b, s, self.n_k_heads, self.k_head_dim) for t in (q, k))
+        v, z = (t.reshape(b, s, self.n_v_heads, self.v_head_dim) for t in (v, z))
+        return q, k, v, z, beta, a
 
     def init_weights(self, std: float, out_std: float) -> None:
         """``out_std`` is for ``wo``, which writes into the residual stream.
