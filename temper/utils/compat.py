@@ -7,14 +7,13 @@ wherever one exists.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 import torch.nn.attention.varlen  # noqa: F401  (registers the varlen op looked up below)
 from torch import nn
 
-# Dynamo's settings (``forward_side_effects_once`` below). Checked: 2.13.
+# Dynamo's settings (``forward_side_effects_once`` below). Checked: 2.11, 2.13.
 from torch._dynamo import config as _dynamo_config
 
 # Intercepting aten calls (layout-invariant random init), and the type of the ops it sees.
@@ -60,10 +59,7 @@ from torch.utils._python_dispatch import _disable_current_modes as outside_dispa
 def forward_side_effects_once() -> Any:
     """A context in which torch.compile lets an activation-checkpointed region set Python
     state in forward (the MoE layers' routing statistics), applied once and not replayed by
-    the recomputation (a torch without the setting: nothing, and torch.compile refuses such
-    a region as before). Checked: 2.13. No public equivalent."""
-    if not hasattr(_dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        return contextlib.nullcontext()
+    the recomputation. Checked: 2.11, 2.13. No public equivalent."""
     return _dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 

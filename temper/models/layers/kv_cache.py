@@ -48,6 +48,10 @@ class KVCache:
         self.valid_bias = logit_bias(self.valid[:, None, :])
         self.all_valid: list[bool] = self.valid.all(dim=0).tolist()
 
+    def _check_room(self, end: int) -> None:
+        if end > self.valid.shape[1]:
+            raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
+
     def _bias(self, keys: torch.Tensor, start: int) -> torch.Tensor:
         """The bias [b, 1, n, end] of the queries at columns ``start`` to ``end`` over the
         keys ``keys`` (the ids 0 to end - 1)."""
@@ -66,8 +70,7 @@ class KVCache:
         """Open ``n`` more columns for the forward about to run, build the bias its layers
         share, and return one cache per layer."""
         start, end = self.length, self.length + n
-        if end > self.valid.shape[1]:
-            raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
+        self._check_room(end)
         self.bias = self._bias(torch.arange(end, device=self.valid.device), start)
         self.length = end
         return self.layers
@@ -164,8 +167,7 @@ class StaticKVCache(KVCache):
         slice (``_plan_step_bias``): 4% of the compiled path at dim 64 when it was built per
         token."""
         end = self.keys.shape[0] + n
-        if end > self.valid.shape[1]:
-            raise ValueError(f"KV cache holds {self.valid.shape[1]} tokens per row, {end} asked")
+        self._check_room(end)
         keys = self.column_ids[:end]
         self.columns = keys[end - n :]
         self.bias = dynamic_size(self._bias(keys, end - n), 3)
