@@ -20,7 +20,9 @@ on both alike; tokens/s is each side's fastest step, in wall-clock time and (CPU
 process's own CPU time (`time.process_time`): with `--threads 1` on a shared machine the CPU
 time is what the step cost, where the wall time adds the waits for a core. MFU is the
 model's training FLOPs per token (`flops_per_token`) times tokens/s over
-`temper.utils.peak_flops` of the device (measured by a matmul probe on CPU).
+`temper.utils.peak_flops` of the device (measured by a matmul probe on CPU). `--profile` then
+profiles one more step of each side and prints where its self CPU time goes: matrix products
+(the LM head's apart), triangular solves, attention, the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import multiprocessing as mp
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
@@ -190,9 +193,11 @@ def measure(
     kernels: str,
     compile_blocks: bool,
     threads: int | None,
+    profile: bool,
 ) -> dict:
     """One side's run, in its own process: a warm-up step, then `steps` timed steps taken in
-    turns with the other side (``turns``), so both meet the same load on a shared machine."""
+    turns with the other side (``turns``), so both meet the same load on a shared machine;
+    with ``profile`` one more step, in turn, under `torch.profiler` (`step_profile`)."""
     torch.manual_seed(0)
     if threads:
         torch.set_num_threads(threads)
@@ -271,6 +276,12 @@ def measure(
         peak = torch.cuda.max_memory_allocated(dev) / 2**30
     else:
         peak = _peak_rss_gib() - rss_before
+    breakdown = None
+    if profile:  # after the peak is read: the profiler's records take memory too
+        for turn in SIDES:
+            if turn == side:
+                breakdown = step_profile(step, vocab)
+            turns.wait()
     flops = model.flops_per_token(seq_len) if side == "temper" else None
     return {
         "tokens_per_second": batch * seq_len / min(times),
@@ -279,7 +290,45 @@ def measure(
         "first_loss": first_loss,
         "flops_per_token": flops,
         "params": sum(p.numel() for p in model.parameters()),
+        "profile": breakdown,
     }
+
+
+MATRIX_PRODUCTS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::_grouped_mm"}
+PROFILE_ROWS = (
+    "matrix products",
+    "  of which the LM head",
+    "triangular solves",
+    "attention",
+    "everything else",
+    "step (self time)",
+)
+
+
+def step_profile(step: Callable[[], float], vocab: int) -> dict[str, float]:
+    """Self CPU seconds of one step by kind of work (`PROFILE_ROWS`): the matrix products
+    (those with a vocabulary-sized operand are the LM head's), the chunked rule's triangular
+    solves, attention, and the rest (element-wise work, compiled or not, and overheads).
+    Self times do not overlap, so the rows below the products add up to the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    seconds = dict.fromkeys(PROFILE_ROWS, 0.0)
+    for event in prof.key_averages(group_by_input_shape=True):
+        t = event.self_cpu_time_total / 1e6
+        seconds["step (self time)"] += t
+        if event.key in MATRIX_PRODUCTS:
+            seconds["matrix products"] += t
+            if any(vocab in shape for shape in event.input_shapes):
+                seconds["  of which the LM head"] += t
+        elif event.key == "aten::linalg_solve_triangular":
+            seconds["triangular solves"] += t
+        elif "scaled_dot_product" in event.key:
+            seconds["attention"] += t
+        else:
+            seconds["everything else"] += t
+    return seconds
 
 
 def _status_gib(field: str) -> float:
@@ -357,6 +406,12 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, help="torch's CPU threads in each side (default: torch's own)"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile one more step per side and print where its "
+        "time goes (self CPU time by kind of work)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -388,9 +443,11 @@ def main() -> None:
             make_hf_folder(case, Path(folder))
             for seq_len in map(int, args.seq_len.split(",")):
                 common = (folder, args.batch, seq_len, args.steps, args.device, dtype)
-                runs = run_sides(*common, args.kernels, args.compile, args.threads)
+                runs = run_sides(*common, args.kernels, args.compile, args.threads, args.profile)
                 ours, theirs = runs["temper"], runs["hf"]
                 _report(name, seq_len, ours, theirs, peak, dtype)
+                if args.profile:
+                    _report_profile(name, seq_len, ours["profile"], theirs["profile"])
 
 
 def _report(
@@ -415,6 +472,14 @@ def _report(
         f"| {ours['peak_gib'] / theirs['peak_gib']:.2f}x |",
         flush=True,
     )
+
+
+def _report_profile(name: str, seq_len: int, ours: dict, theirs: dict) -> None:
+    print(f"\n{name}, seq {seq_len}, one profiled step, self CPU seconds:\n")
+    print("| work | Temper s | HF s | HF - Temper s |\n| --- | ---: | ---: | ---: |")
+    for row in PROFILE_ROWS:
+        print(f"| {row} | {ours[row]:.2f} | {theirs[row]:.2f} | {theirs[row] - ours[row]:+.2f} |")
+    print(flush=True)
 
 
 if __name__ == "__main__":
