@@ -1,7 +1,6 @@
 """Activation checkpointing per decoder block: store less in forward, recompute in backward.
 
-`full` keeps only each block's input (Gated DeltaNet's mix then keeps none of its products,
-see ``gated_delta_mix``); `selective` also keeps the outputs of matmuls, of every
+`full` keeps only each block's input; `selective` also keeps the outputs of matmuls, of every
 attention backend and of the sequence- and expert-parallel all-to-alls (the expensive ops,
 and the ones that talk to other ranks), and recomputes the cheap element-wise rest, so a
 backward never runs attention or a collective twice. The block's `forward` is replaced in
@@ -26,7 +25,6 @@ from torch.utils.checkpoint import (
 
 import temper.kernels.grouped_gemm  # noqa: F401  (registers torch.ops.temper.grouped_mm)
 from temper.kernels.attention import ATTENTION_OPS
-from temper.models.layers.gated_deltanet import GatedDeltaNet
 from temper.models.layers.moe import keep_first_routing
 
 CheckpointMode = Literal["none", "full", "selective"]
@@ -63,10 +61,6 @@ def apply_activation_checkpointing(
         context_fn = _keep_matmul_outputs if mode == "selective" else _full
     for block in blocks:
         block.forward = _checkpointed(block.forward, context_fn)
-        if mode == "full":  # the block keeps its input alone, not the mix's products too
-            for mixer in block.modules():
-                if isinstance(mixer, GatedDeltaNet):
-                    mixer.keep_products = False
 
 
 def _checkpointed(

@@ -11,7 +11,7 @@ Ulysses SP (a rank's slice of the sequence; attention's all-to-all trades heads 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from unittest import mock
@@ -22,7 +22,6 @@ from torch import nn
 
 from temper.config import Config
 from temper.kernels.dispatch import configure_kernels
-from temper.models.layers.gated_deltanet import MIX_KEPT_OPS, GatedDeltaNet
 from temper.objectives import Objective
 from temper.parallel.activation_checkpoint import SAVED_OPS
 from temper.utils.compat import TorchDispatchMode
@@ -99,11 +98,9 @@ class _KeptOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         if func in SAVED_OPS:
+            outputs = list(out) if isinstance(out, (tuple, list)) else [out]
             self.measure.add_kept(sum(self.measure.kept_storages.bytes_of(t) for t in outputs))
-        if self.measure.in_mix and func in MIX_KEPT_OPS:
-            self.measure.add_mix_products(outputs)
         return out
 
 
@@ -134,7 +131,6 @@ class _Measure:
         self.kept_storages = _Storages(params)
         self.activations = Activations()
         self.current: BlockActivations | None = None
-        self.in_mix = False
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
@@ -148,37 +144,6 @@ class _Measure:
     def add_kept(self, n: int) -> None:
         if self.current is not None:
             self.current.kept += n
-
-    def add_mix_products(self, outputs: list[torch.Tensor]) -> None:
-        """What a Gated DeltaNet mix's checkpoint keeps (outside autograd's saved tensors, so
-        the hooks miss it): held under every mode, selective's kept included."""
-        if self.current is not None:
-            self.current.saved += sum(self.saved_storages.bytes_of(t) for t in outputs)
-            self.add_kept(sum(self.kept_storages.bytes_of(t) for t in outputs))
-
-    @contextmanager
-    def mixes(self, model: nn.Module) -> Iterator[None]:
-        """Marks the Gated DeltaNet mixes that keep their products while they run."""
-        layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet) and m.keep_products]
-        originals = [layer.mix for layer in layers]
-
-        def marked(mix: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-            def run(*args: object, **kwargs: object) -> torch.Tensor:
-                self.in_mix = True
-                try:
-                    return mix(*args, **kwargs)
-                finally:
-                    self.in_mix = False
-
-            return run
-
-        for layer, mix in zip(layers, originals, strict=True):
-            layer.mix = marked(mix)
-        try:
-            yield
-        finally:
-            for layer, mix in zip(layers, originals, strict=True):
-                layer.mix = mix
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         n = self.saved_storages.bytes_of(t)
@@ -223,12 +188,6 @@ def measure_activations(
     hooks = torch.autograd.graph.saved_tensors_hooks(measure.pack, lambda t: t)
     attention = mock.patch.object(F, "scaled_dot_product_attention", measure.attention)
     model.train()
-    with (
-        measure.blocks(list(model.layers)),
-        measure.mixes(model),
-        hooks,
-        attention,
-        _KeptOutputs(measure),
-    ):
+    with measure.blocks(list(model.layers)), hooks, attention, _KeptOutputs(measure):
         objective.loss(model, batch)
     return measure.activations

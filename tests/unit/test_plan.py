@@ -12,7 +12,6 @@ from torch import nn
 import temper.engine  # noqa: F401  (registers the built-in rules)
 from temper.config import load_config
 from temper.engine.engine import build_run_model, load_run_tokenizer
-from temper.models.layers.gated_deltanet import GatedDeltaNet
 from temper.models.layers.moe import MoE
 from temper.objectives import CausalLM
 from temper.parallel.dims import ParallelDims
@@ -190,27 +189,3 @@ def test_train_dry_run_flag_plans_instead_of_training(tmp_path, capsys) -> None:
     assert train([*argv, "--job.dump_folder", str(tmp_path / "run")]) == 0
     assert "world 2 on cpu" in capsys.readouterr().out
     assert not (tmp_path / "run").exists()  # nothing trained, no run folder
-
-
-def test_meta_activations_count_what_gated_deltanet_mixes_keep() -> None:
-    """The mix's checkpoint keeps its products outside autograd's saved tensors; the count
-    adds them, by hand here: per layer and chunk of c tokens, k_beta k^T and q k^T [c, c],
-    the solve's [c, d_v + d_k] and, in the chunk loop, three [c, d_v] and one [d_k, d_v]."""
-    config = load_config(
-        "temper.recipes.qwen3_5",
-        "qwen3_5_moe_debug",
-        ["--training.seq_len", "32", "--training.local_batch_size", "2"],
-        validate=False,
-    )
-    model = build_run_model(config, load_run_tokenizer(config))
-    mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
-    kept = measure_activations(config, model, CausalLM(), (2, 32))
-    for mixer in mixers:
-        mixer.keep_products = False
-    bare = measure_activations(config, model, CausalLM(), (2, 32))
-    rows, c, chunks = 2, 64, 1  # 32 tokens pad to one chunk of 64
-    h, d_k, d_v = mixers[0].n_v_heads, mixers[0].k_head_dim, mixers[0].v_head_dim
-    floats = rows * h * chunks * (2 * c * c + c * (d_v + d_k) + 3 * c * d_v + d_k * d_v)
-    extra = [m.saved - b.saved for m, b in zip(kept.blocks, bare.blocks, strict=True)]
-    assert sorted(set(extra)) == [0, 4 * floats]  # attention blocks keep nothing more
-    assert extra.count(4 * floats) == len(mixers)

@@ -22,11 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint
 
 from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.causal_conv import causal_conv
@@ -70,9 +66,6 @@ class GatedDeltaNet(nn.Module):
         self.wo = nn.Linear(self.value_dim, dim, bias=False)
         # The cross-token core; sequence parallelism swaps in its all-to-all wrapper.
         self.mix: Callable[..., torch.Tensor] = gated_delta_mix
-        # Whether the mix's checkpoint keeps its matrix products (``gated_delta_mix``); full
-        # activation checkpointing of the block turns it off, keeping only the block's input.
-        self.keep_products = True
 
     def build_projections(self, dim: int) -> None:
         self.wqkv = nn.Linear(dim, 2 * self.key_dim + self.value_dim, bias=False)
@@ -167,36 +160,14 @@ def gated_delta_mix(
     ``parts`` (all heads by default): q, k [b, s, n_k', d_k], v [b, s, n_v', d_v], b, a
     [b, s, n_v'] -> [b, s, n_v', d_v].
 
-    Under autograd it is checkpointed: what it would save (the convolution's output, the
-    normalized and head-repeated q and k, the chunked rule's decays, triangular systems,
-    solutions and per-chunk states) is about nine times the size of q, k and v. With
-    ``layer.keep_products`` (the default) the checkpoint keeps the outputs of the chunked
-    rule's matrix products and triangular solves (``MIX_KEPT_OPS``: 64 of the 153 MiB at 4 x
-    1024 tokens and 8 value heads of 64, and most of the forward's time) and backward recomputes only the element-wise rest; without, it keeps only the
-    inputs and backward runs the whole mix again. Deterministic ops only, so the
-    recomputation is exact."""
+    Under autograd it saves only its inputs and runs again in backward: what it would keep
+    (the convolution's output, the normalized and head-repeated q and k, the chunked rule's
+    decays, triangular systems, solutions and per-chunk states) is about nine times the
+    size of q, k and v, and recomputing it costs one forward of this function, a small part
+    of the layer's step. Deterministic ops only, so the recomputation is exact."""
     if cache is None and torch.is_grad_enabled():
-        # No context_fn at all without kept products: Dynamo traces torch's default only then.
-        contexts = {"context_fn": _keep_products} if layer.keep_products else {}
-        args = (layer, q, k, v, b, a, docs, None, part, parts)
-        return checkpoint(_mix, *args, use_reentrant=False, **contexts)
+        return checkpoint(_mix, layer, q, k, v, b, a, docs, None, part, parts, use_reentrant=False)
     return _mix(layer, q, k, v, b, a, docs, cache, part, parts)
-
-
-MIX_KEPT_OPS = {
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.mm.default,
-    torch.ops.aten.linalg_solve_triangular.default,
-}
-"""The ops whose outputs the mix's checkpoint keeps (``GatedDeltaNet.keep_products``)."""
-
-
-def _save_products(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in MIX_KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _keep_products() -> tuple[object, object]:
-    return create_selective_checkpoint_contexts(_save_products)
 
 
 def _mix(
