@@ -309,7 +309,8 @@ def step_profile(step: Callable[[], float], vocab: int) -> dict[str, float]:
     """Self CPU seconds of one step by kind of work (`PROFILE_ROWS`): the matrix products
     (those with a vocabulary-sized operand are the LM head's), the chunked rule's triangular
     solves, attention, and the rest (element-wise work, compiled or not, and overheads).
-    Self times do not overlap, so the rows below the products add up to the step."""
+    Self times do not overlap: all rows but the LM head's add up to the step. CPU time, so
+    on CUDA it shows what the host spends, not the kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -410,7 +411,7 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="after the timed steps, profile one more step per side and print where its "
-        "time goes (self CPU time by kind of work)",
+        "self CPU time goes, by kind of work (the kernels' time on CPU runs only)",
     )
     args = parser.parse_args()
     device = torch.device(args.device)
