@@ -17,14 +17,17 @@ from torch import nn
 from temper.utils.compat import forward_side_effects_once
 
 
-def apply_compile(blocks: Iterable[nn.Module], backend: str = "inductor") -> None:
+def apply_compile(
+    blocks: Iterable[nn.Module], backend: str = "inductor", fullgraph: bool = True
+) -> None:
     """Compile each block's forward (after activation checkpointing, so it is traced too).
     A checkpointed MoE block records its routing statistics in forward, a side effect that
     torch.compile refuses inside a checkpoint unless told not to replay it in backward,
-    which is what eager does too (`keep_first_routing`)."""
+    which is what eager does too (`keep_first_routing`). ``fullgraph=False`` lets a block
+    run a part eagerly between compiled ones: expert parallelism's all-to-all dispatch."""
     for block in blocks:
         block.forward = _keeping_forward_side_effects(
-            torch.compile(block.forward, fullgraph=True, backend=backend)
+            torch.compile(block.forward, fullgraph=fullgraph, backend=backend)
         )
 
 

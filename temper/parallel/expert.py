@@ -27,7 +27,8 @@ class AllToAllDispatcher:
     Split sizes travel first (an all-to-all of the per-expert counts), then the rows by an
     uneven all-to-all with autograd, so the backward returns row gradients the same way.
     Both are functional collectives, whose outputs selective activation checkpointing keeps:
-    a recomputed forward sends nothing.
+    a recomputed forward sends nothing. It runs eagerly inside a compiled block (the split
+    sizes are read on the host), which is compiled in parts around it (`apply_compile`).
     """
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int) -> None:
@@ -35,6 +36,7 @@ class AllToAllDispatcher:
         self.ep = dist.get_world_size(group)
         self.n_local = n_experts // self.ep
 
+    @torch.compiler.disable
     def __call__(
         self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:

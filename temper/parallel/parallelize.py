@@ -39,7 +39,7 @@ def parallelize_decoder(
         blocks, config.activation_checkpoint.mode, compiled=config.compile.enable
     )
     if config.compile.enable:
-        apply_compile(blocks)
+        apply_compile(blocks, fullgraph=expert_mesh is None)
     if meshes is not None:
         offload = offload_policy(config.parallelism.fsdp_cpu_offload, meshes.fsdp.device_type)
         if expert_mesh is not None:

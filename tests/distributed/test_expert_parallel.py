@@ -3,7 +3,8 @@
 Qwen3-MoE and DeepSeek V3 debug recipes, fp32, random init: EP 2, EP 2 with expert FSDP 2 and
 EP 2 with expert replicas (HSDP) each give every step's loss, gradient norm, load-balancing loss
 and load imbalance of one process training the same 8 sequences as one batch (the routing
-statistics are the global batch's, so the reference takes it in one micro-batch).
+statistics are the global batch's, so the reference takes it in one micro-batch); so does EP 2
+with compiled blocks (1e-4).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from temper.models import materialize, save_hf
 from temper.models.deepseek_v3 import FLAVORS, DeepseekV3Transformer
 from temper.recipes.deepseek_v3 import deepseek_v3_debug
 from temper.recipes.qwen3 import qwen3_moe_debug
+from temper.recipes.qwen3_5 import qwen3_5_moe_debug
 
 SINGLE8 = Layout("single8", world=1, local_batch=8)
 EP2 = Layout("ep2", world=2, local_batch=4, parallelism={"ep": 2})
@@ -78,6 +80,35 @@ def test_expert_parallel_trains_like_one_process(
     assert_same_metrics(run.rows, reference.rows)
     for row, ref in zip(run.rows, reference.rows, strict=True):
         assert row["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-5)
+        assert row["moe_load_imbalance"] == pytest.approx(ref["moe_load_imbalance"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("recipe", "checkpointing"),
+    [(qwen3_moe_debug, "none"), (qwen3_moe_debug, "full"), (qwen3_5_moe_debug, "none")],
+    ids=["qwen3_moe-none", "qwen3_moe-full", "qwen3_5_moe-none"],
+)
+def test_compiled_blocks_under_expert_parallelism_train_like_one_process(
+    recipe: Callable[[], Config],
+    checkpointing: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    references: dict[str, Run],
+) -> None:
+    """Compiled blocks around the eager all-to-all dispatch, without and with full
+    checkpointing: the same losses, gradient norms and routing statistics as one eager
+    process (1e-4, as for compiled dense blocks)."""
+    folder = tmp_path_factory.getbasetemp() / "expert"
+    if recipe.__name__ not in references:
+        references[recipe.__name__] = train_layout(moe_config(recipe, folder, SINGLE8), SINGLE8)
+    config = moe_config(recipe, folder / f"compiled_{checkpointing}", EP2)
+    config.compile.enable = True
+    config.activation_checkpoint.mode = checkpointing
+    run = train_layout(config, EP2)
+    assert run.compiled_graphs > 0 and references[recipe.__name__].compiled_graphs == 0
+    assert_same_metrics(run.rows, references[recipe.__name__].rows, rel=1e-4)
+    for row, ref in zip(run.rows, references[recipe.__name__].rows, strict=True):
+        assert row["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-4)
         assert row["moe_load_imbalance"] == pytest.approx(ref["moe_load_imbalance"], rel=1e-6)
 
 

@@ -236,7 +236,11 @@ def test_ep_checks_experts_and_the_fsdp_group() -> None:
         config.validate(world_size=2)
     config.parallelism.ep = 2
     config.compile.enable = True
-    with pytest.raises(ConfigError, match="compile.enable with parallelism.ep = 2"):
+    config.validate(world_size=2)  # compiled blocks around the eager dispatch
+    config.activation_checkpoint.mode = "full"
+    config.validate(world_size=2)
+    config.activation_checkpoint.mode = "selective"
+    with pytest.raises(ConfigError, match="ep = 2 and activation_checkpoint.mode selective"):
         config.validate(world_size=2)
     dense = Config()
     dense.parallelism.ep = 2
