@@ -42,8 +42,21 @@ def moe_config(recipe: Callable[[], Config], folder: Path, layout: Layout) -> Co
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, Run]:
-    """One single-process run per recipe, trained on first use."""
+    """One single-process run per recipe, trained on first use (`reference_run`)."""
     return {}
+
+
+def reference_run(recipe: Callable[[], Config], folder: Path, references: dict[str, Run]) -> Run:
+    if recipe.__name__ not in references:
+        references[recipe.__name__] = train_layout(moe_config(recipe, folder, SINGLE8), SINGLE8)
+    return references[recipe.__name__]
+
+
+def assert_same_routing(rows: list[dict], reference: list[dict], aux_rel: float) -> None:
+    """Each step's load-balancing loss within ``aux_rel``, its load imbalance within 1e-6."""
+    for row, ref in zip(rows, reference, strict=True):
+        assert row["aux_loss"] == pytest.approx(ref["aux_loss"], rel=aux_rel)
+        assert row["moe_load_imbalance"] == pytest.approx(ref["moe_load_imbalance"], rel=1e-6)
 
 
 def _case(recipe: Callable[[], Config], layout: Layout, fast: bool = False) -> object:
@@ -71,16 +84,12 @@ def test_expert_parallel_trains_like_one_process(
     references: dict[str, Run],
 ) -> None:
     folder = tmp_path_factory.getbasetemp() / "expert"
-    if recipe.__name__ not in references:
-        references[recipe.__name__] = train_layout(moe_config(recipe, folder, SINGLE8), SINGLE8)
-    reference = references[recipe.__name__]
+    reference = reference_run(recipe, folder, references)
     run = train_layout(moe_config(recipe, folder, layout), layout)
     experts = {f"{block}.feed_forward.experts" for block in MOE_BLOCKS}
     assert experts <= set(run.fsdp_units)
     assert_same_metrics(run.rows, reference.rows)
-    for row, ref in zip(run.rows, reference.rows, strict=True):
-        assert row["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-5)
-        assert row["moe_load_imbalance"] == pytest.approx(ref["moe_load_imbalance"], rel=1e-6)
+    assert_same_routing(run.rows, reference.rows, aux_rel=1e-5)
 
 
 @pytest.mark.slow
@@ -99,17 +108,14 @@ def test_compiled_blocks_under_expert_parallelism_train_like_one_process(
     checkpointing: the same losses, gradient norms and routing statistics as one eager
     process (1e-4, as for compiled dense blocks)."""
     folder = tmp_path_factory.getbasetemp() / "expert"
-    if recipe.__name__ not in references:
-        references[recipe.__name__] = train_layout(moe_config(recipe, folder, SINGLE8), SINGLE8)
+    reference = reference_run(recipe, folder, references)
     config = moe_config(recipe, folder / f"compiled_{checkpointing}", EP2)
     config.compile.enable = True
     config.activation_checkpoint.mode = checkpointing
     run = train_layout(config, EP2)
-    assert run.compiled_graphs > 0 and references[recipe.__name__].compiled_graphs == 0
-    assert_same_metrics(run.rows, references[recipe.__name__].rows, rel=1e-4)
-    for row, ref in zip(run.rows, references[recipe.__name__].rows, strict=True):
-        assert row["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-4)
-        assert row["moe_load_imbalance"] == pytest.approx(ref["moe_load_imbalance"], rel=1e-6)
+    assert run.compiled_graphs > 0 and reference.compiled_graphs == 0
+    assert_same_metrics(run.rows, reference.rows, rel=1e-4)
+    assert_same_routing(run.rows, reference.rows, aux_rel=1e-4)
 
 
 def test_each_rank_holds_only_its_experts_once_and_loads_them_from_hf(tmp_path: Path) -> None:
