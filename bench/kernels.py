@@ -2,10 +2,12 @@
 
     python -m bench.kernels                    # CPU: reference vs compile
     python -m bench.kernels --device cuda      # CUDA: reference vs compile vs triton
+    python -m bench.kernels --loss-chunks 256 512 1024   # the fused loss at each chunk size
 
 This is the measurement behind the dispatcher's ``auto`` choice (docs/kernels.md). Shapes are
 those of bench.train_step's qwen3-50m case at batch 4 x seq 1024 on CPU, and of Llama 3 8B at
-batch 2 x seq 4096 on CUDA; the loss rows compare full logits with the chunked fused loss.
+batch 2 x seq 4096 on CUDA; the loss rows compare full logits with the chunked fused loss,
+by default at the device's chunk size (``--kernels.cross_entropy_chunk 0``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from temper.config import Kernels
 from temper.kernels.cross_entropy import linear_cross_entropy, linear_log_probs_reference
 from temper.kernels.dispatch import Impl, unavailable
 from temper.kernels.moe_permute import permute, unpermute
@@ -32,8 +35,11 @@ SHAPES = {
 }
 
 
-def ops(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[Impl], Callable]]:
-    """Each op as ``impl -> step``, where ``step()`` runs one forward and backward."""
+def ops(
+    device: torch.device, dtype: torch.dtype, loss_chunks: list[int]
+) -> dict[str, Callable[[Impl], Callable]]:
+    """Each op as ``impl -> step``, where ``step()`` runs one forward and backward; one loss
+    row per chunk size in ``loss_chunks``."""
     tokens, dim, ffn, heads, head_dim, vocab, experts, top_k = SHAPES[device.type]
 
     def leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -53,10 +59,17 @@ def ops(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[Impl], 
     hidden, head = leaf(tokens, dim), leaf(vocab, dim, scale=0.02)
     labels = torch.randint(0, vocab, (tokens,), device=device)
 
-    def loss(impl: Impl) -> Callable[[], None]:
-        if impl == "reference":  # full logits, as an unfused loss computes them
-            return lambda: (-linear_log_probs_reference(hidden, head, labels)[0].sum()).backward()
-        return lambda: linear_cross_entropy(hidden, head, labels, 0.0, 1024, impl)[0].backward()
+    def loss(chunk: int) -> Callable[[Impl], Callable[[], None]]:
+        def step(impl: Impl) -> Callable[[], None]:
+            if impl == "reference":  # full logits, as an unfused loss computes them
+                return lambda: (
+                    -linear_log_probs_reference(hidden, head, labels)[0].sum()
+                ).backward()
+            return lambda: linear_cross_entropy(hidden, head, labels, 0.0, chunk, impl)[
+                0
+            ].backward()
+
+        return step
 
     return {
         "rmsnorm": lambda impl: lambda: backward(rms_norm(x, w, 1e-6, impl)),
@@ -65,7 +78,7 @@ def ops(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[Impl], 
         "rope": lambda impl: lambda: backward(apply_rope(q, cos, sin, impl)),
         "moe_permute": lambda impl: lambda: backward(permute(x, order, top_k, impl)),
         "moe_unpermute": lambda impl: lambda: backward(unpermute(rows, order, weights, impl)),
-        "loss (full logits -> fused)": loss,
+        **{f"loss (full logits -> fused, chunk {c})": loss(c) for c in loss_chunks},
     }
 
 
@@ -89,8 +102,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--loss-chunks",
+        type=int,
+        nargs="+",
+        help="the fused loss's chunk sizes (default: the device's)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
+    loss_chunks = args.loss_chunks or [Kernels().chunk_tokens(device)]
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     impls: list[Impl] = [
         i for i in ("reference", "compile", "triton") if unavailable(i, device) is None
@@ -101,7 +121,7 @@ def main() -> None:
     )
     print("\n| op (fwd+bwd, ms) | " + " | ".join(impls) + " |")
     print("| --- |" + " ---: |" * len(impls))
-    for name, make in ops(device, dtype).items():
+    for name, make in ops(device, dtype, loss_chunks).items():
         cells = [f"{time_ms(make(impl), device, args.repeats):.1f}" for impl in impls]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 

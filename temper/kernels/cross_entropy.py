@@ -50,15 +50,19 @@ def logits_grad_reference(
     grad_log_probs: torch.Tensor,
     grad_lse: torch.Tensor,
 ) -> torch.Tensor:
-    """Gradient of the logits chunk [rows, vocab], in its dtype, from the gradients of both
-    outputs; ``grad_log_probs`` is already 0 at ignored labels.
+    """Gradient of the logits chunk [rows, vocab], written over ``logits`` (a chunk that
+    nothing else holds, reused for the next), from the gradients of both outputs;
+    ``grad_log_probs`` is already 0 at ignored labels.
 
     d lse / d logits = p;  d log p_label / d logits = onehot(label) - p.
+
+    The one-hot term is a comparison with the column index rather than a scatter, so the
+    compiled form is one element-wise pass that writes over ``logits`` with no temporary.
     """
     probs = (logits.float() - lse[:, None]).exp()
+    onehot = torch.arange(logits.shape[1], device=logits.device) == labels.clamp(min=0)[:, None]
     grad = probs * (grad_lse - grad_log_probs)[:, None]
-    grad.scatter_add_(1, labels.clamp(min=0)[:, None], grad_log_probs[:, None])
-    return grad.to(logits.dtype)
+    return logits.copy_(grad + torch.where(onehot, grad_log_probs[:, None], 0.0))
 
 
 def linear_log_probs_reference(
@@ -127,6 +131,20 @@ def _autocast_operands(
     return hidden, weight
 
 
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, rows: slice, buffer: torch.Tensor
+) -> torch.Tensor:
+    """The logits of ``hidden[rows]``, written into ``buffer``'s first rows: one chunk-sized
+    buffer serves every chunk, where a fresh [chunk, vocab] tensor per chunk would be
+    allocated (and, on CPU, its pages faulted in) again each time."""
+    chunk = hidden[rows]
+    return torch.mm(chunk, weight.t(), out=buffer[: chunk.shape[0]])
+
+
+def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    return hidden.new_empty(min(chunk_tokens, hidden.shape[0]), weight.shape[0])
+
+
 def _grad_buffers(
     ctx: torch.autograd.function.FunctionCtx, hidden: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -174,9 +192,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = _grad_buffers(ctx, hidden, weight)
         nll = hidden.new_zeros((), dtype=torch.float32)
         z_sum = torch.zeros_like(nll)
+        buffer = _logits_buffer(hidden, weight, chunk_tokens)
         for start in range(0, labels.numel(), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            logits = hidden[rows] @ weight.t()
+            logits = _chunk_logits(hidden, weight, rows, buffer)
             log_probs, lse = stats(logits, labels[rows])
             valid = labels[rows] != IGNORE_INDEX
             valid_lse = torch.where(valid, lse, 0.0)
@@ -222,9 +241,11 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         stats = choose("cross_entropy", hidden.device, impl, log_probs_from_logits, _triton_stats)
         log_probs = hidden.new_empty(labels.shape, dtype=torch.float32)
         lse = torch.empty_like(log_probs)
+        buffer = _logits_buffer(hidden, weight, chunk_tokens)
         for start in range(0, labels.numel(), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            log_probs[rows], lse[rows] = stats(hidden[rows] @ weight.t(), labels[rows])
+            logits = _chunk_logits(hidden, weight, rows, buffer)
+            log_probs[rows], lse[rows] = stats(logits, labels[rows])
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_tokens = chunk_tokens
         ctx.impl = impl
@@ -242,10 +263,11 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         )
         grad_hidden, grad_weight = _grad_buffers(ctx, hidden, weight)
         grad_log_probs = torch.where(labels != IGNORE_INDEX, grad_log_probs, 0.0)
+        buffer = _logits_buffer(hidden, weight, ctx.chunk_tokens)
         for start in range(0, labels.numel(), ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             grad_logits = logits_grad(
-                hidden[rows] @ weight.t(),
+                _chunk_logits(hidden, weight, rows, buffer),
                 labels[rows],
                 lse[rows],
                 grad_log_probs[rows],

@@ -9,7 +9,10 @@ from temper.kernels.cross_entropy import (
     IGNORE_INDEX,
     linear_log_probs,
     linear_log_probs_reference,
+    log_probs_from_logits,
+    logits_grad_reference,
 )
+from temper.kernels.dispatch import compiled
 
 
 def inputs(tokens: int, dim: int, vocab: int, seed: int = 0):
@@ -68,3 +71,23 @@ def test_batched_shapes_and_tied_weight_gradients() -> None:
     assert lp.shape == (3, 11)
     torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["eager", "compiled"])
+def test_logits_gradient_is_autograds_written_over_the_chunk(form: str) -> None:
+    """The per-chunk gradient (one-hot by column comparison) equals autograd's through
+    both outputs, and it is written over the logits chunk it was given, which the fused
+    loss reuses for the next chunk."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 53, generator=gen, requires_grad=True)
+    labels = torch.tensor([4, IGNORE_INDEX, 52, 0, 17, 4])
+    log_probs, lse = log_probs_from_logits(logits, labels)
+    grad_log_probs, grad_lse = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    grad_log_probs[labels == IGNORE_INDEX] = 0.0
+    (expected,) = torch.autograd.grad((log_probs, lse), logits, (grad_log_probs, grad_lse))
+
+    chunk = logits.detach().clone()
+    fn = compiled(logits_grad_reference) if form == "compiled" else logits_grad_reference
+    got = fn(chunk, labels, lse.detach(), grad_log_probs, grad_lse)
+    assert got.data_ptr() == chunk.data_ptr()
+    torch.testing.assert_close(chunk, expected, rtol=1e-5, atol=1e-7)
