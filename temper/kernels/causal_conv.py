@@ -2,12 +2,14 @@
 x[t - kernel + 1 + i]), zeros (or an earlier call's last inputs) before the start.
 
 ``causal_conv_reference`` is ``F.conv1d`` with ``groups=channels``, the textbook form (and
-transformers' fallback). ``causal_conv`` runs that same forward inside an autograd Function
-whose backward is ``kernel`` shifted multiply-adds: depthwise ``conv1d``'s CPU backward is
-slow (about a tenth of a Gated DeltaNet layer's step at the benchmark's shape, where its
-forward is a fortieth). The forward stays ``F.conv1d``'s so the outputs are bit-identical to
-the reference's. The Function saves only its inputs and recomputes the pre-activation in
-backward, so the layer keeps one [b, s, channels] tensor for the convolution instead of two.
+transformers' fallback). ``causal_conv`` computes the same inside an autograd Function whose
+backward is ``kernel`` shifted multiply-adds: depthwise ``conv1d`` on CPU is slow (its
+backward about a tenth of a Gated DeltaNet layer's step at the benchmark's shape). Its
+forward is ``F.conv1d``'s when eager, so outputs are bit-identical to the reference's, and
+the shifted sums when compiled, where Inductor fuses them with the SiLU and the layout change
+around them (``conv1d`` would be an opaque call); the two differ by rounding only. The
+Function saves only its inputs and recomputes the pre-activation in backward, so the layer
+keeps one [b, s, channels] tensor for the convolution instead of two.
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ class _CausalConv(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.has_window = window is not None
         zeros = x.new_zeros(x.shape[0], weight.shape[1] - 1, x.shape[2])
-        ctx.save_for_backward(x, weight, zeros if window is None else window.to(x.dtype))
-        return causal_conv_reference(x, weight, window)
+        before = zeros if window is None else window.to(x.dtype)
+        ctx.save_for_backward(x, weight, before)
+        if not torch.compiler.is_compiling():
+            return causal_conv_reference(x, weight, window)
+        return F.silu(_shifted_sum(torch.cat([before, x], dim=1), weight.to(x.dtype)))
 
     @staticmethod
     def backward(
