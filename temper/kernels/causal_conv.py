@@ -40,12 +40,15 @@ def causal_conv(
 
 
 def _shifted_sum(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sum_i padded[:, t + i] * weight[:, i] for t < padded.shape[1] - kernel + 1."""
+    """sum_i padded[:, t + i] * weight[:, i] for t < padded.shape[1] - kernel + 1. The taps
+    are copied to [kernel, channels] so that each is contiguous: read in place with stride
+    ``kernel``, compiled loops over channels were not vectorized."""
     kernel = weight.shape[1]
     s = padded.shape[1] - kernel + 1
-    out = padded[:, :s] * weight[:, 0]
+    taps = weight.t().contiguous()
+    out = padded[:, :s] * taps[0]
     for i in range(1, kernel):
-        out = out.addcmul_(padded[:, i : i + s], weight[:, i])
+        out = out.addcmul_(padded[:, i : i + s], taps[i])
     return out
 
 
