@@ -61,8 +61,10 @@ class _CausalConv(torch.autograd.Function):
         window: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.has_window = window is not None
-        zeros = x.new_zeros(x.shape[0], weight.shape[1] - 1, x.shape[2])
-        before = zeros if window is None else window.to(x.dtype)
+        if window is None:
+            before = x.new_zeros(x.shape[0], weight.shape[1] - 1, x.shape[2])
+        else:
+            before = window.to(x.dtype)
         ctx.save_for_backward(x, weight, before)
         if not torch.compiler.is_compiling():
             return causal_conv_reference(x, weight, window)
