@@ -26,6 +26,7 @@ from torch.utils.checkpoint import (
 import temper.kernels.grouped_gemm  # noqa: F401  (registers torch.ops.temper.grouped_mm)
 from temper.kernels.attention import ATTENTION_OPS
 from temper.models.layers.moe import keep_first_routing
+from temper.utils.compat import sac_ignores_profiler_annotations
 
 CheckpointMode = Literal["none", "full", "selective"]
 
@@ -49,11 +50,13 @@ def apply_activation_checkpointing(
 ) -> None:
     """Checkpoint every block in `mode`; `none` leaves them untouched. The recomputation
     leaves the MoE layers' routing statistics as the forward made them: in eager mode by
-    running in ``keep_first_routing``; for blocks that will be ``compiled``, whose
+    running in ``keep_first_routing``; for blocks that will be ``compiled`` whole, whose
     checkpoint takes only torch's own dispatch modes as contexts, by ``apply_compile``
     (forward side effects are not replayed in backward)."""
     if mode == "none":
         return
+    if mode == "selective":
+        sac_ignores_profiler_annotations()
     context_fn: Callable[[], Any] | None
     if compiled:  # Dynamo traces torch's own default only when it is not passed at all
         context_fn = _selective_contexts if mode == "selective" else None

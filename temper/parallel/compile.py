@@ -8,27 +8,48 @@ checkpointing, `forward` is replaced in place and parameter names do not change.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from temper.models.layers.moe import MoE
 from temper.utils.compat import forward_side_effects_once
 
 
 def apply_compile(
-    blocks: Iterable[nn.Module], backend: str = "inductor", fullgraph: bool = True
+    blocks: Iterable[nn.Module], backend: str = "inductor", around_dispatch: bool = False
 ) -> None:
     """Compile each block's forward (after activation checkpointing, so it is traced too).
+
     A checkpointed MoE block records its routing statistics in forward, a side effect that
     torch.compile refuses inside a checkpoint unless told not to replay it in backward,
-    which is what eager does too (`keep_first_routing`). ``fullgraph=False`` lets a block
-    run a part eagerly between compiled ones: expert parallelism's all-to-all dispatch."""
+    which is what eager does too (`keep_first_routing`).
+
+    ``around_dispatch`` (expert parallelism, whose all-to-all dispatch reads its split sizes
+    on the host and cannot be traced) compiles each block's parts instead: every module but
+    the MoE layer, and the MoE layer's router and shared expert. The block's own code, the
+    MoE layer's and the dispatch run eagerly, so its checkpoint is an eager one: its forward
+    and its recomputation run the same compiled parts, which selective checkpointing needs
+    to match one to the other (a block compiled around a graph break would be recomputed
+    without them)."""
     for block in blocks:
-        block.forward = _keeping_forward_side_effects(
-            torch.compile(block.forward, fullgraph=fullgraph, backend=backend)
-        )
+        if around_dispatch:
+            for part in _parts_around_dispatch(block):
+                part.forward = torch.compile(part.forward, fullgraph=True, backend=backend)
+        else:
+            block.forward = _keeping_forward_side_effects(
+                torch.compile(block.forward, fullgraph=True, backend=backend)
+            )
+
+
+def _parts_around_dispatch(block: nn.Module) -> Iterator[nn.Module]:
+    for child in block.children():
+        if isinstance(child, MoE):
+            yield from (part for name, part in child.named_children() if name != "experts")
+        else:
+            yield child
 
 
 def _keeping_forward_side_effects(compiled: Callable[..., Any]) -> Callable[..., Any]:

@@ -141,19 +141,11 @@ class Meshes:
 
 @register_rule
 def check_parallelism(config: Config, world_size: int) -> None:
-    """The degrees fit the world, the global batch splits over data ranks, and compiled
-    blocks under EP are not selectively checkpointed."""
+    """The degrees fit the world and the global batch splits over data ranks."""
     dp = ParallelDims.from_config(config.parallelism, world_size).dp
     local, global_ = config.training.local_batch_size, config.training.global_batch_size
     if global_ != -1 and (global_ <= 0 or global_ % (local * dp)):
         raise ConfigError(
             f"training.global_batch_size ({global_}) must be -1 or a positive multiple of "
             f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
-        )
-    ep, checkpointing = config.parallelism.ep, config.activation_checkpoint.mode
-    if ep > 1 and config.compile.enable and checkpointing == "selective":
-        raise ConfigError(
-            f"compile.enable with parallelism.ep = {ep} and activation_checkpoint.mode "
-            "selective: EP's all-to-all runs eagerly between a block's compiled parts, and "
-            "selective checkpointing cannot replay such a block; use mode full or none"
         )

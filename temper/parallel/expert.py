@@ -27,8 +27,9 @@ class AllToAllDispatcher:
     Split sizes travel first (an all-to-all of the per-expert counts), then the rows by an
     uneven all-to-all with autograd, so the backward returns row gradients the same way.
     Both are functional collectives, whose outputs selective activation checkpointing keeps:
-    a recomputed forward sends nothing. It runs eagerly inside a compiled block (the split
-    sizes are read on the host), which is compiled in parts around it (`apply_compile`).
+    a recomputed forward sends nothing. It always runs eagerly, as its split sizes are read
+    on the host: a compiled decoding step breaks its graph around it, and training compiles
+    each block's parts around it (`apply_compile`).
     """
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int) -> None:

@@ -49,11 +49,35 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 from torch.serialization import _get_layout as layout_by_name
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes
 
 # ``outside_dispatch_modes()``: a context that runs ops past every active dispatch mode (a
 # one-off probe that must not count as one of a checkpointed region's ops). Checked: 2.11,
 # 2.13. No public equivalent.
+from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes
+
+# The ops selective activation checkpointing passes through uncounted
+# (``sac_ignores_profiler_annotations`` below). In ``torch.utils.checkpoint.__all__``, though
+# undocumented. Checked: 2.11, 2.13.
+from torch.utils.checkpoint import SAC_IGNORED_OPS as sac_ignored_ops
+
+
+def sac_ignores_profiler_annotations() -> None:
+    """Selective activation checkpointing lets the profiler's annotations (``record_function``)
+    through without counting them. SAC replays a recomputation op by op, by each op's count;
+    FSDP's hooks annotate a recomputation differently from its forward (a nested unit, such
+    as the experts' under EP, annotates ``FSDP::root_pre_forward`` when recomputed), and SAC
+    then refuses the region as nondeterministic. An annotation does no tensor work; a torch
+    change (pytorch/pytorch#196862) ignores them the same way. ``SAC_IGNORED_OPS``, which
+    torch's SAC modes consult at each op: checked 2.11, 2.13."""
+    profiler = torch.ops.profiler
+    sac_ignored_ops.update(
+        {
+            profiler._record_function_enter.default,
+            profiler._record_function_enter_new.default,
+            profiler._record_function_exit.default,
+            profiler._record_function_exit._RecordFunction,
+        }
+    )
 
 
 def forward_side_effects_once() -> Any:

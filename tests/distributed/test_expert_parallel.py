@@ -4,7 +4,8 @@ Qwen3-MoE and DeepSeek V3 debug recipes, fp32, random init: EP 2, EP 2 with expe
 EP 2 with expert replicas (HSDP) each give every step's loss, gradient norm, load-balancing loss
 and load imbalance of one process training the same 8 sequences as one batch (the routing
 statistics are the global batch's, so the reference takes it in one micro-batch); so does EP 2
-with compiled blocks (1e-4).
+with selectively checkpointed blocks, and with compiled blocks under each checkpointing mode
+(1e-4).
 """
 
 from __future__ import annotations
@@ -94,26 +95,41 @@ def test_expert_parallel_trains_like_one_process(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("recipe", "checkpointing"),
-    [(qwen3_moe_debug, "none"), (qwen3_moe_debug, "full"), (qwen3_5_moe_debug, "none")],
-    ids=["qwen3_moe-none", "qwen3_moe-full", "qwen3_5_moe-none"],
+    ("recipe", "checkpointing", "compiled"),
+    [
+        (qwen3_moe_debug, "selective", False),
+        (qwen3_moe_debug, "none", True),
+        (qwen3_moe_debug, "full", True),
+        (qwen3_5_moe_debug, "none", True),
+        (qwen3_5_moe_debug, "selective", True),
+    ],
+    ids=[
+        "qwen3_moe-selective",
+        "qwen3_moe-none-compiled",
+        "qwen3_moe-full-compiled",
+        "qwen3_5_moe-none-compiled",
+        "qwen3_5_moe-selective-compiled",
+    ],
 )
-def test_compiled_blocks_under_expert_parallelism_train_like_one_process(
+def test_checkpointed_and_compiled_blocks_under_expert_parallelism_train_like_one_process(
     recipe: Callable[[], Config],
     checkpointing: str,
+    compiled: bool,
     tmp_path_factory: pytest.TempPathFactory,
     references: dict[str, Run],
 ) -> None:
-    """Compiled blocks around the eager all-to-all dispatch, without and with full
-    checkpointing: the same losses, gradient norms and routing statistics as one eager
-    process (1e-4, as for compiled dense blocks)."""
+    """Checkpointed blocks, and blocks compiled in parts around the eager all-to-all
+    dispatch, without and with checkpointing: the same losses, gradient norms and routing
+    statistics as one eager process (1e-4, as for compiled dense blocks). Selective
+    checkpointing replays the experts' FSDP unit, whose hooks annotate the recomputation
+    differently from the forward (`sac_ignores_profiler_annotations`)."""
     folder = tmp_path_factory.getbasetemp() / "expert"
     reference = reference_run(recipe, folder, references)
-    config = moe_config(recipe, folder / f"compiled_{checkpointing}", EP2)
-    config.compile.enable = True
+    config = moe_config(recipe, folder / f"{checkpointing}_{compiled}", EP2)
+    config.compile.enable = compiled
     config.activation_checkpoint.mode = checkpointing
     run = train_layout(config, EP2)
-    assert run.compiled_graphs > 0 and reference.compiled_graphs == 0
+    assert (run.compiled_graphs > 0) == compiled and reference.compiled_graphs == 0
     assert_same_metrics(run.rows, reference.rows, rel=1e-4)
     assert_same_routing(run.rows, reference.rows, aux_rel=1e-4)
 

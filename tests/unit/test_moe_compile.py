@@ -1,7 +1,7 @@
 """``--compile.enable`` on MoE models: the blocks compile with ``fullgraph=True`` (the grouped
 GEMM is one opaque custom op, the routing statistics a forward-only side effect) and train as
 eager blocks do, under selective (as in the parity test's compile case) and full activation
-checkpointing.
+checkpointing; so do blocks compiled in parts around an eager dispatch (expert parallelism's).
 
 Qwen3-MoE is traced with ``aot_eager`` (Dynamo and AOTAutograd, forward and backward, without
 Inductor's code generation, which would cost a minute per model on CPU). The Gated DeltaNet
@@ -21,22 +21,27 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from temper.models import build_model, materialize
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import MoE, run_local
 from temper.parallel.activation_checkpoint import CheckpointMode, apply_activation_checkpointing
 from temper.parallel.compile import apply_compile
 
 
 def _eager_and_compiled(
-    model: nn.Module, mode: CheckpointMode, backend: str
+    model: nn.Module, mode: CheckpointMode, backend: str, around_dispatch: bool = False
 ) -> tuple[nn.Module, nn.Module]:
+    """``around_dispatch``: the compiled copy's MoE layers dispatch through an eager-only
+    function, as expert parallelism's all-to-all does, and its blocks compile in parts."""
     eager = materialize(model, torch.device("cpu"))
     compiled = copy.deepcopy(eager)
-    for m, is_compiled in ((eager, False), (compiled, True)):
+    for m, whole_blocks in ((eager, False), (compiled, not around_dispatch)):
         m.train()
-        apply_activation_checkpointing(list(m.layers), mode, compiled=is_compiled)
+        apply_activation_checkpointing(list(m.layers), mode, compiled=whole_blocks)
+    if around_dispatch:
+        for moe in (m for m in compiled.modules() if isinstance(m, MoE)):
+            moe.dispatcher = torch.compiler.disable(run_local)
     torch.compiler.reset()
     counters.clear()
-    apply_compile(list(compiled.layers), backend=backend)
+    apply_compile(list(compiled.layers), backend=backend, around_dispatch=around_dispatch)
     return eager, compiled
 
 
@@ -67,6 +72,18 @@ def _assert_trains_alike(eager: nn.Module, compiled: nn.Module, tokens: torch.Te
 def test_compiled_moe_blocks_give_eager_losses_gradients_and_routing(mode: CheckpointMode) -> None:
     torch.manual_seed(0)
     eager, compiled = _eager_and_compiled(build_model("qwen3_moe", "debug"), mode, "aot_eager")
+    _assert_trains_alike(eager, compiled, torch.randint(0, 64, (2, 32)))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_moe_blocks_compiled_around_an_eager_dispatch_give_eager_results(
+    mode: CheckpointMode,
+) -> None:
+    """Expert parallelism's compile: each block's parts in whole graphs (no graph break),
+    its own code, the MoE layer's and the dispatch eager, inside an eager checkpoint."""
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe", "debug")
+    eager, compiled = _eager_and_compiled(model, mode, "aot_eager", around_dispatch=True)
     _assert_trains_alike(eager, compiled, torch.randint(0, 64, (2, 32)))
 
 
