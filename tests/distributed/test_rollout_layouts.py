@@ -223,6 +223,41 @@ def test_grpo_under_expert_parallelism_decodes_in_lockstep_like_one_process(
             assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), name
 
 
+def _train_recording_compiled(config: Config, stop_share: int) -> dict[str, Any]:
+    """`_train_recording` with compiled rollouts, traced by a counting backend (no code
+    generation); also the number of graphs the decoding step made."""
+    from temper.generation import decoding
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    decoding._COMPILED[:] = [torch.compile(decoding.decode_step, backend=backend, dynamic=False)]
+    config.objective.compile_rollouts = True
+    return {**_train_recording(config, stop_share), "graphs": len(graphs)}
+
+
+def test_grpo_under_expert_parallelism_with_compiled_rollouts_equals_one_eager_process(
+    tmp_path: Path,
+) -> None:
+    """The lockstep case above with ``objective.compile_rollouts`` on the two EP ranks: the
+    compiled decoding step breaks its graph around the eager all-to-all dispatch, and the
+    rollouts and every step's metrics still equal one eager process's."""
+    single = run_on_ranks(_train_recording, 1, _moe_config(tmp_path / "single", 1), 8)[0]
+    config = _moe_config(tmp_path / "ep", 2)
+    ep = run_on_ranks(_train_recording_compiled, 2, config, 8, timeout=300)
+    for rank in range(2):
+        got, want = ep[rank]["rollouts"][0], single["rollouts"][rank]
+        assert ep[rank]["graphs"] > 1, rank  # the step ran compiled, in parts
+        assert torch.equal(got["input_ids"], want["input_ids"])
+        assert torch.equal(got["labels"], want["labels"])
+        for key in ("old_log_probs", "ref_log_probs", "advantages"):
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+    assert_same_metrics(ep[0]["rows"], single["rows"])
+
+
 def test_grpo_with_accumulation_on_two_data_ranks_rolls_out_like_one_process(
     tmp_path: Path,
 ) -> None:
