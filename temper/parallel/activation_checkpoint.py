@@ -78,8 +78,28 @@ def _checkpointed(
     return run
 
 
+_whole = 0
+
+
+@contextlib.contextmanager
+def recomputed_whole() -> Iterator[None]:
+    """Inside, eager selective checkpointing keeps no op's output, so the code that runs in
+    it is recomputed whole. Compiled code runs in it (`apply_compile`'s parts): the ops it
+    calls through the dispatcher (extern matmuls, collectives) write into buffers that the
+    compiled code reuses for later values, so an output kept from them could be overwritten
+    before the recomputation reads it (SAC's version check does not see such writes)."""
+    global _whole
+    _whole += 1
+    try:
+        yield
+    finally:
+        _whole -= 1
+
+
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in SAVED_OPS and not _whole:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts() -> tuple[Any, Any]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from temper.models.layers.moe import MoE
+from temper.parallel.activation_checkpoint import recomputed_whole
 from temper.utils.compat import forward_side_effects_once
 
 
@@ -33,11 +34,14 @@ def apply_compile(
     MoE layer's and the dispatch run eagerly, so its checkpoint is an eager one: its forward
     and its recomputation run the same compiled parts, which selective checkpointing needs
     to match one to the other (a block compiled around a graph break would be recomputed
-    without them)."""
+    without them). Selective checkpointing keeps what runs between the parts; each part is
+    recomputed whole (`recomputed_whole`)."""
     for block in blocks:
         if around_dispatch:
             for part in _parts_around_dispatch(block):
-                part.forward = torch.compile(part.forward, fullgraph=True, backend=backend)
+                part.forward = _recomputed_whole(
+                    torch.compile(part.forward, fullgraph=True, backend=backend)
+                )
         else:
             block.forward = _keeping_forward_side_effects(
                 torch.compile(block.forward, fullgraph=True, backend=backend)
@@ -50,6 +54,15 @@ def _parts_around_dispatch(block: nn.Module) -> Iterator[nn.Module]:
             yield from (part for name, part in child.named_children() if name != "experts")
         else:
             yield child
+
+
+def _recomputed_whole(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(compiled)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with recomputed_whole():
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def _keeping_forward_side_effects(compiled: Callable[..., Any]) -> Callable[..., Any]:
