@@ -121,3 +121,27 @@ def test_selective_runs_no_attention_again_on_cuda(backend: Backend) -> None:
     assert attention_forwards(full) == 1
     for grad, grad_none in zip(grads_sel, grads_none, strict=True):
         torch.testing.assert_close(grad, grad_none)
+
+
+def test_selective_replays_a_region_that_annotates_its_recomputation_more_often() -> None:
+    """FSDP's hooks annotate a recomputation with more ``record_function`` calls than its
+    forward (EP's experts unit inside a block); selective checkpointing counts ops to replay
+    them, and without `sac_ignores_profiler_annotations` refuses such a region."""
+    runs: list[int] = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        for _ in runs:  # one annotation in the forward, two in the recomputation
+            with torch.profiler.record_function("annotation"):
+                pass
+        return (x @ x).sin()
+
+    block = torch.nn.Module()
+    block.forward = region
+    apply_activation_checkpointing([block], "selective")
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    block.forward(x).sum().backward()
+    reference = x.detach().requires_grad_()
+    (reference @ reference).sin().sum().backward()
+    assert len(runs) == 2  # the forward and its recomputation
+    torch.testing.assert_close(x.grad, reference.grad, rtol=0, atol=0)
