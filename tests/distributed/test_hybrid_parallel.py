@@ -32,6 +32,8 @@ SP2 = Layout("sp2", world=2, local_batch=4, parallelism={"sp": 2})
 SP2_FSDP2 = Layout("sp2_fsdp2", world=4, local_batch=2, parallelism={"sp": 2})
 EP2 = Layout("ep2", world=2, local_batch=4, parallelism={"ep": 2})
 SP2_EP2 = Layout("sp2_ep2", world=2, local_batch=4, parallelism={"sp": 2, "ep": 2})
+# The issue's NGPU=4 layout: two data ranks, each an SP pair, experts over EP 2 (expert FSDP 2).
+SP2_EP2_4 = Layout("sp2_ep2_world4", world=4, local_batch=2, parallelism={"sp": 2, "ep": 2})
 # EP 2 has two data ranks: its global micro-batch is all 8 rows, which the load-balancing loss
 # (not a sum over tokens) sees at once; the reference takes them in one micro-batch too.
 SINGLE8 = Layout("single8", world=1, local_batch=8)
@@ -167,10 +169,12 @@ def _padded_batch_rank(family: str) -> tuple[dict[str, Any], dict[str, Any]] | N
 
 
 @pytest.mark.slow
-def test_hf_folder_trains_at_sp2_ep2_like_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [SP2_EP2, SP2_EP2_4], ids=lambda layout: layout.name)
+def test_hf_folder_trains_at_sp2_ep2_like_one_process(layout: Layout, tmp_path: Path) -> None:
     """`--model.hf_path` on a folder transformers wrote (`Qwen3_5MoeForCausalLM`, random, the
-    built-in tokenizer's vocabulary): SP 2 x EP 2 trains the single process's losses and
-    gradient norms over 5 steps, both starting from the folder's weights."""
+    built-in tokenizer's vocabulary): SP 2 x EP 2, on 2 ranks and on 4 (`NGPU=4`), trains the
+    single process's losses and gradient norms over 5 steps, both starting from the
+    folder's weights."""
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
 
     hf_config = Qwen3_5MoeTextConfig(
@@ -201,5 +205,5 @@ def test_hf_folder_trains_at_sp2_ep2_like_one_process(tmp_path: Path) -> None:
         return c
 
     reference = train_layout(config(SINGLE), SINGLE)
-    run = train_layout(config(SP2_EP2), SP2_EP2)
+    run = train_layout(config(layout), layout)
     assert_same_metrics(run.rows, reference.rows)
