@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -39,13 +40,11 @@ def apply_compile(
     for block in blocks:
         if around_dispatch:
             for part in _parts_around_dispatch(block):
-                part.forward = _recomputed_whole(
-                    torch.compile(part.forward, fullgraph=True, backend=backend)
-                )
+                compiled = torch.compile(part.forward, fullgraph=True, backend=backend)
+                part.forward = _inside(recomputed_whole, compiled)
         else:
-            block.forward = _keeping_forward_side_effects(
-                torch.compile(block.forward, fullgraph=True, backend=backend)
-            )
+            compiled = torch.compile(block.forward, fullgraph=True, backend=backend)
+            block.forward = _inside(forward_side_effects_once, compiled)
 
 
 def _parts_around_dispatch(block: nn.Module) -> Iterator[nn.Module]:
@@ -56,19 +55,14 @@ def _parts_around_dispatch(block: nn.Module) -> Iterator[nn.Module]:
             yield child
 
 
-def _recomputed_whole(compiled: Callable[..., Any]) -> Callable[..., Any]:
+def _inside(
+    context: Callable[[], AbstractContextManager[Any]], compiled: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``compiled``, each call run inside a fresh ``context()``."""
+
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with recomputed_whole():
-            return compiled(*args, **kwargs)
-
-    return run
-
-
-def _keeping_forward_side_effects(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(compiled)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with forward_side_effects_once():
+        with context():
             return compiled(*args, **kwargs)
 
     return run
