@@ -15,8 +15,15 @@ from temper.kernels.dispatch import Impl, choose
 
 
 def permute_reference(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """x [n, dim] -> rows [n * top_k, dim]: row i is token ``order[i] // top_k``."""
-    return x[order // top_k]
+    """x [n, dim] -> rows [n * top_k, dim]: row i is token ``order[i] // top_k``.
+
+    Each (token, slot) copy is written to its row, the inverse of ``order``, rather than
+    each row gathered by ``order``: the backward is then a gather and a sum over slots,
+    where a gather's backward would scatter-add (atomic adds in compiled code)."""
+    slots = x.repeat_interleave(top_k, dim=0)  # row t * top_k + s: token t
+    row = torch.empty_like(order)
+    row[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return slots.new_empty(slots.shape).index_copy(0, row, slots)
 
 
 def unpermute_reference(
