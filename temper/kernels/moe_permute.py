@@ -21,9 +21,14 @@ def permute_reference(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch
     each row gathered by ``order``: the backward is then a gather and a sum over slots,
     where a gather's backward would scatter-add (atomic adds in compiled code)."""
     slots = x.repeat_interleave(top_k, dim=0)  # row t * top_k + s: token t
-    row = torch.empty_like(order)
-    row[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    return slots.new_empty(slots.shape).index_copy(0, row, slots)
+    return slots.new_empty(slots.shape).index_copy(0, rows_of(order), slots)
+
+
+def rows_of(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``order``: the row each (token, slot) went to."""
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return rows
 
 
 def unpermute_reference(

@@ -31,7 +31,7 @@ def apply_compile(
 
     ``around_dispatch`` (expert parallelism, whose all-to-all dispatch reads its split sizes
     on the host and cannot be traced) compiles each block's parts instead: every module but
-    the MoE layer, and the MoE layer's router and shared expert. The block's own code, the
+    the MoE layer, and the MoE layer's router, shared expert and its gate. The block's code, the
     MoE layer's and the dispatch run eagerly, so its checkpoint is an eager one: its forward
     and its recomputation run the same compiled parts, which selective checkpointing needs
     to match one to the other (a block compiled around a graph break would be recomputed

@@ -46,8 +46,23 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, Run]:
-    """One single-process run per recipe, trained on first use."""
+    """One single-process run per recipe and layout, trained on first use (`reference_run`)."""
     return {}
+
+
+def layout_config(recipe: Callable[[], Config], folder: Path, layout: Layout) -> Config:
+    config = parity_config(recipe, folder, layout)
+    config.training.seq_len = SEQ_LEN
+    return config
+
+
+def reference_run(
+    recipe: Callable[[], Config], folder: Path, layout: Layout, references: dict[str, Run]
+) -> Run:
+    key = f"{recipe.__name__}-{layout.name}"
+    if key not in references:
+        references[key] = train_layout(layout_config(recipe, folder, layout), layout)
+    return references[key]
 
 
 @pytest.mark.slow
@@ -61,18 +76,9 @@ def test_layouts_train_like_one_process(
     references: dict[str, Run],
 ) -> None:
     folder = tmp_path_factory.mktemp(recipe.__name__)
-
-    def config(layout: Layout) -> Config:
-        c = parity_config(recipe, folder, layout)
-        c.training.seq_len = SEQ_LEN
-        return c
-
-    reference = SINGLE8 if layout is EP2 else SINGLE
-    key = f"{recipe.__name__}-{reference.name}"
-    if key not in references:
-        references[key] = train_layout(config(reference), reference)
-    run = train_layout(config(layout), layout)
-    assert_same_metrics(run.rows, references[key].rows)
+    reference = reference_run(recipe, folder, SINGLE8 if layout is EP2 else SINGLE, references)
+    run = train_layout(layout_config(recipe, folder, layout), layout)
+    assert_same_metrics(run.rows, reference.rows)
 
 
 @pytest.mark.slow
@@ -84,21 +90,13 @@ def test_sp2_ep2_with_compiled_and_selectively_checkpointed_blocks_trains_like_o
     eager process's losses and gradient norms (1e-4, as for compiled blocks elsewhere).
     Before `recomputed_whole`, step 1's gradient norm was 1% off: the checkpoint kept the
     compiled part's all-to-all output, whose buffer the compiled code then reused."""
-
-    def config(layout: Layout) -> Config:
-        c = parity_config(qwen3_5_moe_debug, tmp_path, layout)
-        c.training.seq_len = SEQ_LEN
-        return c
-
-    key = f"{qwen3_5_moe_debug.__name__}-{SINGLE.name}"
-    if key not in references:
-        references[key] = train_layout(config(SINGLE), SINGLE)
-    compiled = config(SP2_EP2)
+    reference = reference_run(qwen3_5_moe_debug, tmp_path, SINGLE, references)
+    compiled = layout_config(qwen3_5_moe_debug, tmp_path, SP2_EP2)
     compiled.compile.enable = True
     compiled.activation_checkpoint.mode = "selective"
     run = train_layout(compiled, SP2_EP2)
     assert run.compiled_graphs > 0
-    assert_same_metrics(run.rows, references[key].rows, rel=1e-4)
+    assert_same_metrics(run.rows, reference.rows, rel=1e-4)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
@@ -198,8 +196,7 @@ def test_hf_folder_trains_at_sp2_ep2_like_one_process(layout: Layout, tmp_path: 
     tokenizer = str(resources.files("temper.assets") / "tokenizer.json")
 
     def config(layout: Layout) -> Config:
-        c = parity_config(qwen3_5_moe_debug, tmp_path, layout)
-        c.training.seq_len = SEQ_LEN
+        c = layout_config(qwen3_5_moe_debug, tmp_path, layout)
         c.model.hf_path = str(tmp_path / "hf")
         c.data.tokenizer_path = tokenizer
         return c

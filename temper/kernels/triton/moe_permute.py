@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from temper.kernels.moe_permute import rows_of
+
 
 @triton.jit
 def _gather_rows(
@@ -92,12 +94,6 @@ def _sums(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None) 
     return out
 
 
-def _inverse(order: torch.Tensor) -> torch.Tensor:
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    return pos
-
-
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -112,7 +108,7 @@ class _Permute(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_rows: torch.Tensor
     ) -> tuple[torch.Tensor, None, None]:
         (order,) = ctx.saved_tensors
-        pos = _inverse(order).view(-1, ctx.top_k)
+        pos = rows_of(order).view(-1, ctx.top_k)
         return _sums(grad_rows.contiguous(), pos, None), None, None
 
 
@@ -125,7 +121,7 @@ class _Unpermute(torch.autograd.Function):
         weights: torch.Tensor,
     ) -> torch.Tensor:
         y, weights = y.contiguous(), weights.contiguous()
-        pos = _inverse(order).view(weights.shape)
+        pos = rows_of(order).view(weights.shape)
         ctx.save_for_backward(y, order, pos, weights)
         return _sums(y, pos, weights)
 
