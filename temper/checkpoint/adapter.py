@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from temper.models.hf import hf_module_names
 from temper.models.lora import LoRALinear
+from temper.models.safetensors_io import save_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -57,7 +58,7 @@ def save_peft_adapter(
         "inference_mode": True,
     }
     output.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(output / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, output / ADAPTER_WEIGHTS)
     (output / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 

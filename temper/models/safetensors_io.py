@@ -98,7 +98,7 @@ def write_safetensors_streaming(
         if missing:
             raise ValueError(f"{folder / name}: tensors never produced: {describe(missing)}")
         shard = {k: arrived.pop(k).detach().to("cpu").contiguous() for k in keys}
-        save_file(shard, folder / name, metadata={"format": "pt"})
+        save_safetensors(shard, folder / name)
         del shard
     if len(shards) > 1:
         index = {
@@ -109,6 +109,15 @@ def write_safetensors_streaming(
         }
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return [folder / name for name in names]
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file, with the mode the umask gives every other file: safetensors
+    itself creates it 0600, which left an exported folder half readable."""
+    save_file(dict(tensors), path, metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
 
 
 def _split_into_shards(
