@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from temper.checkpoint.adapter import save_peft_adapter
-from temper.checkpoint.manager import CheckpointManager, write_checkpoint
+from temper.checkpoint.integrity import sha256_of
+from temper.checkpoint.manager import CheckpointManager, check_intact, write_checkpoint
 from temper.checkpoint.metadata import (
     METADATA_FILE,
     build_metadata,
@@ -44,6 +45,7 @@ from temper.checkpoint.tokenizer_files import (
     CHAT_TEMPLATE_FILE,
     TOKENIZER_FOLDER,
     checkpoint_tokenizer,
+    exported_tokenizer,
     tokenizer_files,
 )
 from temper.data.chat import load_chat_template, stop_token_ids
@@ -124,11 +126,14 @@ def dcp_to_hf(
     dtype: str | None = None,
     adapter_only: bool = False,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    tokenizer: Path | None = None,
 ) -> None:
     """Write an HF folder that serves as is: weights, config.json, the checkpoint's tokenizer
-    files and chat template, and the token ids a server stops and pads with (for a chat run
-    the end-of-turn token, so ``generate`` stops where the assistant's turn ends). With
-    ``adapter_only``, only a LoRA run's adapters, as a PEFT folder."""
+    files (or `tokenizer`'s) and chat template, the token ids a server stops and pads with
+    (for a chat run the end-of-turn token, so ``generate`` stops where the assistant's turn
+    ends), and ``checksums.sha256`` of every file. With ``adapter_only``, only a LoRA run's
+    adapters, as a PEFT folder. Every byte of the checkpoint is verified first."""
+    check_intact(checkpoint)
     metadata = read_metadata(checkpoint)
     recorded = [metadata.get(k) for k in ("tokenizer", "tokenizer_source", "hf_path")]
     check_output(output, [checkpoint, *(Path(p) for p in recorded if p)])
@@ -138,9 +143,10 @@ def dcp_to_hf(
             raise ValueError(f"--adapter-only: {checkpoint} was not trained with LoRA")
         model = load_adapters(checkpoint, checkpoint_meta_model(checkpoint))
         save_peft_adapter(model, lora, output, metadata.get("hf_path"))
+        write_checksums(output)
         return
     cast = DTYPES[dtype] if dtype is not None else None
-    source = checkpoint_tokenizer(checkpoint, metadata)
+    source = exported_tokenizer(checkpoint, metadata, tokenizer)
     tokenizer = load_tokenizer(source)
     files = {
         name.removeprefix(f"{TOKENIZER_FOLDER}/"): text
@@ -192,6 +198,21 @@ def dcp_to_hf(
         (output / name).write_text(text)
     if metadata.get("qat"):
         write_quantization(output, metadata["qat"])  # load_quantized reads it
+    write_checksums(output)
+
+
+CHECKSUMS_FILE = "checksums.sha256"
+
+
+def write_checksums(folder: Path) -> None:
+    """``checksums.sha256`` beside the files of an export, in ``sha256sum``'s format, so a
+    copy can be checked anywhere with ``sha256sum -c checksums.sha256``."""
+    lines = [
+        f"{sha256_of(path)}  {path.relative_to(folder).as_posix()}\n"
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != CHECKSUMS_FILE
+    ]
+    (folder / CHECKSUMS_FILE).write_text("".join(lines))
 
 
 def _nf4_row_shards(checkpoint: Path, model: nn.Module) -> int:
@@ -272,6 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "adapter_model.safetensors) for the base model's HF folder",
     )
     to_hf.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="ship this tokenizer (folder or tokenizer.json) instead of the checkpoint's own "
+        "files; needed only for a checkpoint that carries none",
+    )
+    to_hf.add_argument(
         "--max-shard-gib",
         type=float,
         default=DEFAULT_SHARD_BYTES / 2**30,
@@ -284,7 +311,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "dcp-to-hf":
             shard_bytes = int(args.max_shard_gib * 2**30)
-            dcp_to_hf(args.checkpoint, args.output, args.dtype, args.adapter_only, shard_bytes)
+            dcp_to_hf(
+                args.checkpoint,
+                args.output,
+                args.dtype,
+                args.adapter_only,
+                shard_bytes,
+                args.tokenizer,
+            )
         else:
             hf_to_dcp(args.hf, args.output)
     except (OutputRefused, FileNotFoundError, ValueError) as err:

@@ -1,57 +1,171 @@
-"""`manifest.json`: every file a checkpoint must contain and its size, checked at load.
+"""`manifest.json`: every file a checkpoint holds, its size and its SHA-256, checked at load.
 
 Written last into the partial folder, just before the rename that publishes it, so it
-lists exactly what the save wrote. A shard that was deleted, truncated or replaced by a
-different-sized file since is named at load; `resume auto` then falls back to the
-previous checkpoint. Sizes, not checksums: checking costs one `stat` per file, where a
-checksum would read the whole checkpoint a second time.
+lists exactly what the save wrote. At load every listed file is read back through SHA-256
+(streamed, one buffer at a time), so a flipped byte, a truncated or replaced shard, a lost
+file, an unlisted file or a symlink is named, and `resume auto` falls back to the previous
+checkpoint. A digest guards against damage, not against someone who rewrites the manifest
+too: what keeps a crafted checkpoint from running code or reading outside its folder is
+`reader.py`, which every load goes through as well.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
+import torch.distributed as dist
+
+from temper.utils.paths import files_inside, inside
+
 MANIFEST_FILE = "manifest.json"
+_CHUNK = 1 << 20
 
 
 class IncompleteCheckpoint(ValueError):
-    """A checkpoint folder that lacks a file it recorded, or holds one of another size."""
+    """A checkpoint folder whose files differ from what its save wrote: lost, truncated,
+    altered or added since. `resume auto` passes over it to the checkpoint before."""
 
 
-def file_sizes(folder: Path) -> dict[str, int]:
-    """Size of every file under `folder` by its relative path (the manifest excepted)."""
+def sha256_of(path: Path) -> str:
+    """The file's SHA-256, read in 1 MiB pieces (bounded memory whatever its size)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def listed_files(folder: Path) -> list[str]:
+    """Every file of a save's folder by relative path (the manifest excepted), refusing a
+    symlink: Temper writes none."""
+    return [
+        path.relative_to(folder).as_posix()
+        for path in files_inside(folder, links=False)
+        if path.name != MANIFEST_FILE
+    ]
+
+
+def file_records(folder: Path, names: Sequence[str]) -> dict[str, dict[str, int | str]]:
+    """Size and SHA-256 of each of `names` (relative to `folder`)."""
     return {
-        path.relative_to(folder).as_posix(): path.stat().st_size
-        for path in sorted(folder.rglob("*"))
-        if path.is_file() and path.name != MANIFEST_FILE
+        name: {"size": (folder / name).stat().st_size, "sha256": sha256_of(folder / name)}
+        for name in names
     }
 
 
-def manifest_text(folder: Path) -> str:
-    return json.dumps({"files": file_sizes(folder)}, indent=1, sort_keys=True)
+def manifest_text(records: dict[str, dict[str, int | str]]) -> str:
+    return json.dumps({"files": records}, indent=1, sort_keys=True)
 
 
-def verify(folder: str | os.PathLike[str]) -> None:
-    """Raise IncompleteCheckpoint naming the first missing or wrongly sized file of `folder`.
-
-    A folder without a manifest (written before Temper recorded one) passes unchecked.
-    """
-    folder = Path(folder)
-    path = folder / MANIFEST_FILE
+def read_manifest(folder: str | os.PathLike[str]) -> dict[str, dict[str, int | str]] | None:
+    """The manifest's records (name -> size and digest), None for a folder saved before
+    Temper wrote manifests. A manifest of the first format (sizes only) gives records
+    without a digest."""
+    path = Path(folder) / MANIFEST_FILE
     if not path.is_file():
-        return
+        return None
     try:
-        expected = json.loads(path.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as err:
+        files = json.loads(path.read_text())["files"]
+        return {
+            name: record if isinstance(record, dict) else {"size": int(record)}
+            for name, record in files.items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise IncompleteCheckpoint(f"{path}: unreadable manifest ({err})") from err
-    for name, size in expected.items():
-        file = folder / name
+
+
+def check_files(
+    folder: Path, records: dict[str, dict[str, int | str]], names: Sequence[str], digests: bool
+) -> None:
+    """Raise IncompleteCheckpoint naming the first of `names` that is missing, of another
+    size or digest than its record."""
+    for name in names:
+        file = inside(folder, name, links=False)
         if not file.is_file():
             raise IncompleteCheckpoint(f"{file}: missing (the checkpoint's manifest lists it)")
-        actual = file.stat().st_size
-        if actual != size:
+        record = records[name]
+        size = file.stat().st_size
+        if size != record["size"]:
             raise IncompleteCheckpoint(
-                f"{file}: {actual} bytes, the checkpoint wrote {size} (truncated or replaced)"
+                f"{file}: {size} bytes, the checkpoint wrote {record['size']} "
+                "(truncated or replaced)"
             )
+        if digests and "sha256" in record and sha256_of(file) != record["sha256"]:
+            raise IncompleteCheckpoint(
+                f"{file}: its SHA-256 differs from the one the save recorded (the file was "
+                "damaged or altered since)"
+            )
+
+
+def check_listing(folder: Path, records: dict[str, dict[str, int | str]] | None) -> None:
+    """Raise UnsafePath on a symlink anywhere in the folder (Temper writes none; one that
+    leads out would be read, or copied by an export) and IncompleteCheckpoint on a file the
+    save did not write."""
+    present = listed_files(folder)
+    for name in present if records is not None else ():
+        if name not in records:
+            raise IncompleteCheckpoint(
+                f"{folder / name}: not written by the save (its manifest does not list it)"
+            )
+
+
+_VERIFIED: set[tuple] = set()
+"""Folders this process verified, by path and every file's size and modification time:
+resuming checks a checkpoint once, then loads it without reading every byte a second time,
+and a file written since is read again."""
+
+
+def verify(folder: str | os.PathLike[str], digests: bool = True) -> None:
+    """Raise IncompleteCheckpoint naming the first file of `folder` that is missing, of
+    another size or SHA-256 than its manifest records, a symlink, or not written by the save.
+
+    With a process group up, this is a collective: each rank reads its share of the files
+    (largest first, dealt round-robin) and every rank raises the same error. A folder
+    without a manifest (saved before Temper wrote one) is checked for symlinks only. A
+    symlink raises UnsafePath: no save writes one, so it is refused, not stepped over.
+    ``digests=False`` checks sizes only (one ``stat`` a file: the pre-flight's quick look,
+    before the ranks read every byte).
+    """
+    folder = Path(folder)
+    records = read_manifest(folder)
+    check_listing(folder, records)
+    if records is None:
+        return
+    key = _identity(folder)
+    if key in _VERIFIED:
+        return
+    by_size = sorted(records, key=lambda name: (-int(records[name]["size"]), name))
+    rank, world = _rank_and_world()
+    try:
+        check_files(folder, records, by_size[rank::world], digests)
+        found = None
+    except IncompleteCheckpoint as err:
+        found = str(err)
+    failures = [message for message in _gathered(found, world) if message is not None]
+    if failures:
+        raise IncompleteCheckpoint(failures[0])
+    if digests:
+        _VERIFIED.add(key)
+
+
+def _identity(folder: Path) -> tuple:
+    stats = [(path, path.stat()) for path in sorted(folder.rglob("*")) if path.is_file()]
+    return (str(folder.resolve()), *((str(p), s.st_size, s.st_mtime_ns) for p, s in stats))
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gathered(message: str | None, world: int) -> list[str | None]:
+    if world == 1:
+        return [message]
+    messages: list[str | None] = [None] * world
+    dist.all_gather_object(messages, message)
+    return messages

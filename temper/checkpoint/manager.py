@@ -2,20 +2,23 @@
 
 A save is written to `.step-<N>.partial/` and renamed to `step-<N>/` only once every
 rank's shards, the DCP metadata, `state.json`, `temper.json` and last `manifest.json` (each
-file's size) are on disk. So a folder named `step-<N>` was complete when written: a crash
-or a full disk mid-save leaves the previous checkpoint as it was, and the partial folder
-is removed when the run restarts. A file lost or truncated since is found by the manifest
-at load, and `resume auto` falls back to the checkpoint before.
+file's size and SHA-256, each rank hashing its share) are on disk. So a folder named
+`step-<N>` was complete when written: a crash or a full disk mid-save leaves the previous
+checkpoint as it was (a full disk is reported in one line and the partial folder removed).
+A file lost, truncated or altered since is found by the manifest at load, as is a
+`.metadata` that no longer parses, and `resume auto` falls back to the checkpoint before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,13 +26,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadPlanner, WriteItem
 
-from temper.checkpoint.integrity import MANIFEST_FILE, IncompleteCheckpoint, manifest_text, verify
+from temper.checkpoint.integrity import (
+    MANIFEST_FILE,
+    IncompleteCheckpoint,
+    file_records,
+    listed_files,
+    manifest_text,
+    verify,
+)
 from temper.checkpoint.metadata import METADATA_FILE, read_metadata
-from temper.checkpoint.reader import DCP_METADATA_FILE, CheckpointReader
+from temper.checkpoint.reader import DCP_METADATA_FILE, CheckpointReader, read_dcp_metadata
 from temper.checkpoint.state import join_tensors, split_tensors
 
 # DCP warns at every save and load without a process group that it assumes one process,
@@ -52,6 +62,10 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was passed over or a partial save removed; the run goes on."""
 
 
+class DiskFull(OSError):
+    """A save ran out of space; the partial folder is gone, the previous checkpoint kept."""
+
+
 def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step-{step}"
 
@@ -69,9 +83,14 @@ def complete_steps(root: str | os.PathLike[str]) -> list[int]:
     return sorted(steps)
 
 
-def resolve_resume(root: str | os.PathLike[str], resume: str) -> int | None:
-    """The step to resume from: `auto` = the latest whose files are all there (None if
-    none; each one passed over is warned about), `never`, or a step (which must be intact).
+def resolve_resume(root: str | os.PathLike[str], resume: str, digests: bool = True) -> int | None:
+    """The step to resume from: `auto` = the latest whose files are intact (None if none;
+    each one passed over is warned about), `never`, or a step (which must be intact).
+
+    Intact: every file as the manifest records it (size and SHA-256) and a `.metadata`
+    that parses (``digests=False``: sizes only, the pre-flight's quick look). A checkpoint
+    that would run code or read outside its folder raises UnsafeCheckpoint (or UnsafePath)
+    whatever `resume` says: that is not damage to step over.
     """
     if resume == "never":
         return None
@@ -79,7 +98,7 @@ def resolve_resume(root: str | os.PathLike[str], resume: str) -> int | None:
     if resume == "auto":
         for step in reversed(steps):
             try:
-                verify(checkpoint_dir(root, step))
+                check_intact(checkpoint_dir(root, step), digests)
                 return step
             except IncompleteCheckpoint as err:
                 _warn(f"{err}; resuming from the checkpoint before it instead")
@@ -90,8 +109,15 @@ def resolve_resume(root: str | os.PathLike[str], resume: str) -> int | None:
             f"checkpoint.resume {resume}: no complete checkpoint {checkpoint_dir(root, step)}; "
             f"complete steps there: {steps or 'none'}"
         )
-    verify(checkpoint_dir(root, step))
+    check_intact(checkpoint_dir(root, step), digests)
     return step
+
+
+def check_intact(folder: str | os.PathLike[str], digests: bool = True) -> None:
+    """Every byte of a checkpoint folder as its save wrote it (IncompleteCheckpoint if not),
+    and its `.metadata` safe to hand DCP (UnsafeCheckpoint if not)."""
+    verify(folder, digests)
+    read_dcp_metadata(folder)
 
 
 def remove_partial_saves(root: str | os.PathLike[str]) -> None:
@@ -200,12 +226,13 @@ def write_checkpoint(
     file of its own: one tensor in memory at a time.
     """
     partial, tensors, files = _prepare(final, state, metadata, files)
-    if produce is None:
-        dcp.save(tensors, checkpoint_id=str(partial))
-    else:
-        writer = FileSystemWriter(partial, single_file_per_rank=False)
-        dcp.save(tensors, storage_writer=writer, planner=_ProducingPlanner(produce))
-    _publish(partial, final, files, keep_latest_k)
+    with _reporting_full_disk(partial, final):
+        if produce is None:
+            dcp.save(tensors, checkpoint_id=str(partial))
+        else:
+            writer = FileSystemWriter(partial, single_file_per_rank=False)
+            dcp.save(tensors, storage_writer=writer, planner=_ProducingPlanner(produce))
+        _publish(partial, final, files, keep_latest_k)
 
 
 class _ProducingPlanner(DefaultSavePlanner):
@@ -243,8 +270,9 @@ def _publish_when_written(
 ) -> None:
     """An async save's last part, on the publisher thread: its writes, then `_publish` (on
     the save's own group, never the training one)."""
-    writes.result()
-    _publish(partial, final, files, keep_latest_k, group)
+    with _reporting_full_disk(partial, final):
+        writes.result()
+        _publish(partial, final, files, keep_latest_k, group)
 
 
 def _publish(
@@ -254,11 +282,15 @@ def _publish(
     keep_latest_k: int,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """After every rank's shards are written: JSON files, the manifest, the atomic rename."""
+    """After every rank's shards are written: JSON files, the manifest (each rank hashing a
+    share of the files), the atomic rename."""
     if _is_main():
         for name, text in files.items():
             _write_durably(partial / name, text)
-        _write_durably(partial / MANIFEST_FILE, manifest_text(partial))
+    _barrier(group)
+    records = _records_hashed_by_every_rank(partial, group)
+    if _is_main():
+        _write_durably(partial / MANIFEST_FILE, manifest_text(records))
         if final.exists():  # re-saving a step: the new copy replaces the old one
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -267,6 +299,59 @@ def _publish(
             for step in complete_steps(final.parent)[:-keep_latest_k]:
                 shutil.rmtree(checkpoint_dir(final.parent, step), ignore_errors=True)
     _barrier(group)
+
+
+def _records_hashed_by_every_rank(
+    folder: Path, group: dist.ProcessGroup | None
+) -> dict[str, dict[str, int | str]]:
+    """Size and SHA-256 of every file in `folder`, the files dealt over the ranks largest
+    first, so each rank reads back about its own share of the save (gathered on rank 0)."""
+    names = sorted(listed_files(folder), key=lambda name: (-(folder / name).stat().st_size, name))
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return file_records(folder, names)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    shares: list[dict | None] = [None] * world
+    dist.all_gather_object(shares, file_records(folder, names[rank::world]), group=group)
+    return {name: record for share in shares for name, record in (share or {}).items()}
+
+
+@contextlib.contextmanager
+def _reporting_full_disk(partial: Path, final: Path) -> Iterator[None]:
+    """A save that ran out of space ends in one DiskFull naming the folder (torch's own
+    error names neither: ``unexpected pos 704 vs 598``); the partial folder is removed, so
+    the space goes back, and the previous checkpoint stays untouched."""
+    try:
+        yield
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        if not _out_of_space(err, final.parent):
+            raise
+        if _is_main():
+            shutil.rmtree(partial, ignore_errors=True)
+        kept = complete_steps(final.parent)
+        previous = f"step-{kept[-1]} is kept" if kept else "there is no earlier checkpoint"
+        raise DiskFull(
+            f"{partial}: no space left on device while saving {final.name}; the partial "
+            f"save was removed and {previous}"
+        ) from None
+
+
+_FULL = 16 << 20
+"""Free bytes under which a failed save is put down to a full disk: torch's zip writer
+reports ENOSPC as a bare position mismatch, with no errno to read."""
+
+
+def _out_of_space(err: BaseException, folder: Path) -> bool:
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(folder).free < _FULL
+    except OSError:
+        return False
 
 
 def _warn(message: str) -> None:

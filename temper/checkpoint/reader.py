@@ -1,10 +1,13 @@
-"""Read a DCP checkpoint without executing anything it holds.
+"""Read a DCP checkpoint without executing anything it holds or reading outside its folder.
 
-DCP's own reader unpickles `.metadata` with plain ``pickle.load``: a crafted file runs
-whatever its ``__reduce__`` names. `CheckpointReader` reads it first, through an
-unpickler that admits only the classes DCP's metadata is made of (its dataclasses, the
-file reader's per-item record, ``torch.Size``, dtypes, layouts, paths), and refuses any
-other global with an error naming the file, before DCP sees it.
+DCP's own reader unpickles `.metadata` with plain ``pickle.load``, and its default load
+planner reads every *bytes* entry with ``torch.load(weights_only=False)``: a crafted
+checkpoint runs whatever a ``__reduce__`` names. `read_dcp_metadata` reads `.metadata`
+through an unpickler that admits only the classes DCP's metadata is made of (its
+dataclasses, the file reader's per-item record, ``torch.Size``, dtypes, layouts, paths),
+then refuses any bytes entry (Temper keeps every non-tensor value in JSON, so it writes
+none) and any storage path that is absolute, climbs out with ``..`` or is a symlink. What
+is left for DCP to read is tensors, which it loads with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from temper.checkpoint.integrity import IncompleteCheckpoint
 from temper.utils.compat import dcp_memory_format, dcp_storage_info, layout_by_name
+from temper.utils.paths import UnsafePath, inside
 
 DCP_METADATA_FILE = ".metadata"
 
@@ -79,25 +84,45 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(folder: str | os.PathLike[str]) -> Metadata:
-    """The DCP `Metadata` of a checkpoint folder, read without running any code it holds."""
+    """The DCP `Metadata` of a checkpoint folder, read without running any code it holds.
+
+    Raises UnsafeCheckpoint for what a save never writes (a global outside DCP's metadata
+    classes, a bytes entry, a storage path leading out of the folder) and
+    IncompleteCheckpoint for a file that does not parse (damage: resume falls back).
+    """
     path = Path(folder) / DCP_METADATA_FILE
     try:
         with open(path, "rb") as file:
             metadata = _MetadataUnpickler(file, path).load()
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{path}: not found; {folder} is not a DCP checkpoint") from err
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        AttributeError,
-        TypeError,
-        KeyError,
-        IndexError,
-    ) as err:
-        raise UnsafeCheckpoint(f"{path}: not a readable DCP metadata file ({err})") from err
+    except UnsafeCheckpoint:
+        raise
+    except Exception as err:  # noqa: BLE001  (a damaged pickle fails in any way, MemoryError too)
+        raise IncompleteCheckpoint(
+            f"{path}: not a readable DCP metadata file ({type(err).__name__}: {err})"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpoint(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+    _check_entries(metadata, Path(folder), path)
     return metadata
+
+
+def _check_entries(metadata: Metadata, folder: Path, path: Path) -> None:
+    """Refuse bytes entries (DCP would unpickle them with code) and storage paths that are
+    not plain files inside `folder`."""
+    for name, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise UnsafeCheckpoint(
+                f"{path}: entry {name!r} is a {type(entry).__name__} (a pickled object DCP "
+                "would load with code); Temper checkpoints hold tensors only: refused, "
+                "nothing in it was run"
+            )
+    for index, info in (metadata.storage_data or {}).items():
+        try:
+            inside(folder, str(info.relative_path), links=False)
+        except UnsafePath as err:
+            raise UnsafeCheckpoint(f"{path}: entry {index.fqn!r}: {err}") from None
 
 
 class CheckpointReader(FileSystemReader):

@@ -66,6 +66,25 @@ def tokenizer_files(source: str | None, chat_template: str | None) -> dict[str, 
     return {f"{TOKENIZER_FOLDER}/{name}": text for name, text in files.items()}
 
 
+def exported_tokenizer(
+    checkpoint: Path, metadata: dict[str, Any], chosen: Path | None
+) -> str | None:
+    """The tokenizer an export copies: `chosen` (the user's ``--tokenizer``), else the
+    checkpoint's own files, else the built-in one when the run used it. A checkpoint that
+    predates carried tokenizer files names its tokenizer by a path outside itself, and an
+    export never copies a file from outside the checkpoint unless the user says so."""
+    if chosen is not None:
+        return str(chosen)
+    source = checkpoint_tokenizer(checkpoint, metadata)
+    if source is not None and Path(source) != checkpoint / TOKENIZER_FOLDER:
+        raise ValueError(
+            f"{checkpoint} carries no tokenizer files; its temper.json names {source}, outside "
+            f"it, and an export copies nothing from outside the checkpoint: pass --tokenizer "
+            f"{source} if that is the one to ship"
+        )
+    return source
+
+
 def checkpoint_tokenizer(checkpoint: Path, metadata: dict[str, Any]) -> str | None:
     """The folder of a checkpoint's own tokenizer files; for a checkpoint written before
     they were carried, the tokenizer path its ``temper.json`` names (None: the built-in)."""

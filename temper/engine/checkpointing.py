@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from temper.checkpoint.manager import (
     CheckpointManager,
+    check_intact,
     remove_partial_saves,
     resolve_resume,
     rng_state,
@@ -71,15 +72,19 @@ class TrainCheckpointer:
         }
         self._resume_step: int | None = None
 
-    def check(self, model: nn.Module) -> None:
+    def check(self, model: nn.Module, digests: bool = True) -> None:
         """Refuse a checkpoint to resume or `initial_load` that does not fit `model` (the meta
-        model, LoRA applied): before any weight is allocated, so a wrong flavor fails at once.
+        model, LoRA applied), would run code or read outside its folder: before any weight
+        is allocated, so a wrong flavor fails at once. A damaged one is passed over (resume
+        auto) or refused; ``digests=False`` (the pre-flight) checks sizes, not every byte.
         """
         current = self.metadata(model, step=0, extra={"tokens_seen": 0})
         if self.config.enable:
             remove_partial_saves(self.root)
         self._resume_step = (
-            resolve_resume(self.root, self.config.resume) if self.config.enable else None
+            resolve_resume(self.root, self.config.resume, digests)
+            if self.config.enable
+            else None
         )
         if self._resume_step is not None:
             where = f"{self.root}/step-{self._resume_step}"
@@ -92,6 +97,7 @@ class TrainCheckpointer:
                 )
         elif self.config.initial_load is not None:
             folder = Path(self.config.initial_load)
+            check_intact(folder, digests)
             saved = read_metadata(folder)
             if saved["model"] != current["model"]:
                 differences = structure_differences(saved, {**saved, "model": current["model"]})

@@ -124,7 +124,11 @@ def test_adapter_only_export_loads_in_peft(tmp_path: Path) -> None:
     engine.save(1, wait=True)
     out = tmp_path / "adapter"
     dcp_to_hf(tmp_path / "run" / "checkpoints" / "step-1", out, adapter_only=True)
-    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in out.iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "checksums.sha256",
+    }
 
     base = AutoModelForCausalLM.from_pretrained(hf).eval()
     ids = torch.randint(0, 768, (2, 12), generator=torch.Generator().manual_seed(0))
