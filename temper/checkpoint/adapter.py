@@ -16,6 +16,7 @@ from torch import nn
 from temper.models.hf import hf_module_names
 from temper.models.lora import LoRALinear
 from temper.models.safetensors_io import save_safetensors
+from temper.utils.paths import inside
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -71,14 +72,14 @@ def read_peft_adapter(
     folder = Path(folder)
     if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
         raise FileNotFoundError(f"{folder}: no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    config = json.loads(inside(folder, ADAPTER_CONFIG).read_text())
     want = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": rslora}
     for key, value in want.items():
         if config.get(key, False if key == "use_rslora" else None) != value:
             raise ValueError(f"{folder}: {key} is {config.get(key)!r}, the run's is {value!r}")
     native = {hf: name for name, hf in hf_module_names(model).items()}
     found = {}
-    for key, value in load_file(str(folder / ADAPTER_WEIGHTS)).items():
+    for key, value in load_file(str(inside(folder, ADAPTER_WEIGHTS))).items():
         match = PEFT_KEY.match(key)
         if match is None or match.group(1) not in native:
             raise ValueError(f"{folder}: {key} is not a LoRA tensor of this model's layers")

@@ -19,6 +19,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+import temper.checkpoint.integrity as integrity
+from temper.checkpoint.adapter import read_peft_adapter
 from temper.checkpoint.convert import main
 from temper.checkpoint.integrity import (
     IncompleteCheckpoint,
@@ -254,7 +256,8 @@ def test_a_symlink_in_a_checkpoint_is_refused_and_never_exported(tmp_path: Path,
     assert all(b"the secret" not in data for data in exported)
 
 
-def test_the_manifest_holds_each_files_sha256(tmp_path: Path) -> None:
+def test_the_manifest_holds_each_files_digest(tmp_path: Path) -> None:
+    """By hand: SHA-256 over the SHA-256 of each 64 MiB piece (one piece for these)."""
     saved(tmp_path)
     folder = tmp_path / "step-3"
     records = read_manifest(folder)
@@ -262,10 +265,8 @@ def test_the_manifest_holds_each_files_sha256(tmp_path: Path) -> None:
     assert sorted(records) == [p.relative_to(folder).as_posix() for p in files]
     for path in files:
         record = records[path.relative_to(folder).as_posix()]
-        assert record == {
-            "size": path.stat().st_size,
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        }
+        piece = hashlib.sha256(path.read_bytes()).digest()
+        assert record == {"size": path.stat().st_size, "digest": hashlib.sha256(piece).hexdigest()}
 
 
 def flip_one_byte(path: Path, at: int) -> None:
@@ -280,7 +281,7 @@ def test_a_flipped_byte_is_caught_and_auto_resume_falls_back(tmp_path: Path, tar
     folder = tmp_path / "step-8"
     path = next(folder.glob("*.distcp")) if target == "shard" else folder / ".metadata"
     flip_one_byte(path, path.stat().st_size // 2)
-    message = rf"{path}: its SHA-256 differs from the one the save recorded"
+    message = rf"{path}: its SHA-256 digest differs from the one the save recorded"
     with pytest.raises(IncompleteCheckpoint, match=message):
         manager.load(8, {"model": get_model_state_dict(tiny_model(1))})
     with pytest.raises(IncompleteCheckpoint, match=message):
@@ -371,3 +372,63 @@ def test_a_real_full_disk_during_a_save(small_filesystem: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["step-4"]
     assert resolve_resume(root, "auto") == 4
     assert torch.equal(load_into_fresh_model(manager, 4).output.weight, tiny_model(0).output.weight)
+
+
+def test_an_initial_adapter_linking_out_is_refused(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    elsewhere.write_bytes(b"not the adapter's")
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    (folder / "adapter_model.safetensors").symlink_to(elsewhere)
+    with pytest.raises(UnsafePath, match=rf"adapter_model\.safetensors: resolves to {elsewhere}"):
+        read_peft_adapter(tiny_model(), folder, rank=4, alpha=8, rslora=False)
+
+
+def test_the_pre_flight_refuses_a_crafted_initial_load_in_one_line(tmp_path: Path, capsys) -> None:
+    """Exit 2 before any rank starts, naming the file and the entry."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from temper.checkpoint.convert import hf_to_dcp
+    from temper.train import main as train
+
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    hf_to_dcp(tmp_path / "hf", tmp_path / "ckpt")
+    marker = tmp_path / "payload-ran"
+    craft_bytes_entry(tmp_path / "ckpt", "model.norm.weight", RunsACommand(marker))
+    capsys.readouterr()
+    code = train(
+        [
+            "--check_only",
+            "--checkpoint.initial_load",
+            str(tmp_path / "ckpt"),
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+        ]
+    )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("temper: config error: checkpoint: ")
+    assert f"{tmp_path / 'ckpt'}/.metadata: entry 'model.norm.weight' is a Bytes" in lines[0]
+    assert not marker.exists()
+
+
+def test_the_digest_of_a_file_of_several_pieces(tmp_path: Path, monkeypatch) -> None:
+    """By hand, with pieces of 1 KiB: a flip in any piece changes the digest."""
+    monkeypatch.setattr(integrity, "PIECE", 1024)
+    path = tmp_path / "f"
+    data = os.urandom(3 * 1024 + 100)
+    path.write_bytes(data)
+    pieces = [hashlib.sha256(data[i : i + 1024]).digest() for i in range(0, len(data), 1024)]
+    assert len(pieces) == 4
+    assert integrity.digest_of(path) == hashlib.sha256(b"".join(pieces)).hexdigest()
+    flip_one_byte(path, 2 * 1024 + 5)
+    assert integrity.digest_of(path) != hashlib.sha256(b"".join(pieces)).hexdigest()
