@@ -8,6 +8,7 @@ process group exists, and names the offending field in its error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -527,10 +528,12 @@ class Config:
     qat: QAT = field(default_factory=QAT)
 
     def validate(self, world_size: int | None = None) -> None:
-        """Raise ConfigError naming the first field that breaks a rule: this section's own
-        rules, then the objective's, then those the owning components registered."""
+        """Raise ConfigError naming the first field that breaks a rule: every number finite,
+        this section's own rules, then the objective's, then those the owning components
+        registered."""
         if world_size is None:
             world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        check_finite(self)
         check_positive(self, "training.steps", "training.seq_len", "training.local_batch_size")
         check_positive(self, "optimizer.lr", "optimizer.eps", "metrics.log_freq")
         check_positive(self, "checkpoint.interval")
@@ -563,6 +566,25 @@ def get_field(config: Config, dotted: str) -> Any:
     """The value of ``section.field`` (``"training.seq_len"``)."""
     section, name = dotted.split(".")
     return getattr(getattr(config, section), name)
+
+
+def check_finite(value: Any, name: str = "") -> None:
+    """Every float in ``value`` (the config, a section, a list, a number) is finite. NaN fails
+    no comparison that a range rule makes (``nan <= 0`` is False) and inf passes most, so each
+    field is checked here, by name, before the rules: ``--optimizer.eps inf`` would otherwise
+    train with no update. No field takes an infinity to mean "off"; 0 or None does."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}: {value} is not a finite number")
+    if dataclasses.is_dataclass(value):
+        items: Any = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        return
+    for key, item in items:
+        check_finite(item, f"{name}.{key}" if name else str(key))
 
 
 def check_positive(config: Config, *names: str) -> None:

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 
 import pytest
 
-from temper.config import Config, ConfigError, Training, load_config, save_config
+from temper.config import (
+    Config,
+    ConfigError,
+    DataSource,
+    Training,
+    load_config,
+    save_config,
+)
 from temper.parallel.dims import ParallelDims
 from temper.recipes.llama3 import llama3_debug
 
@@ -270,3 +278,28 @@ def test_saved_config_is_the_resolved_one(tmp_path) -> None:
     saved = json.loads(save_config(config, tmp_path).read_text())
     assert saved["training"]["seed"] == 9
     assert saved == config.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "value"),
+    [
+        (["--optimizer.lr", "nan"], "optimizer.lr", "nan"),
+        (["--optimizer.eps", "inf"], "optimizer.eps", "inf"),
+        (["--training.max_norm", "nan"], "training.max_norm", "nan"),
+        (["--lr_scheduler.min_lr_ratio", "-inf"], "lr_scheduler.min_lr_ratio", "-inf"),
+        (["--objective.name", "dpo", "--objective.beta", "inf"], "objective.beta", "inf"),
+    ],
+)
+def test_non_finite_numbers_are_refused_by_field(flags: list[str], field: str, value: str) -> None:
+    """NaN passes every range rule (``nan <= 0`` is False): each float is checked by name."""
+    with pytest.raises(ConfigError) as error:
+        load_config(MODULE, RECIPE, flags)
+    assert str(error.value) == f"{field}: {value} is not a finite number"
+
+
+def test_non_finite_numbers_in_lists_are_named_by_index() -> None:
+    config = llama3_debug()
+    config.data.sources = [DataSource("a.jsonl"), DataSource("b.jsonl", weight=math.nan)]
+    with pytest.raises(ConfigError) as error:
+        config.validate(world_size=1)
+    assert str(error.value) == "data.sources.1.weight: nan is not a finite number"

@@ -160,3 +160,14 @@ def test_the_cli_exits_2_with_one_line(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"temper: config error: data.path {missing}: {missing}: no such file or folder"
     ]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--optimizer.lr", "nan"), ("--optimizer.eps", "inf"), ("--training.max_norm", "nan")],
+)
+def test_non_finite_numbers_exit_2_naming_the_field(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = one_error(*check(capsys, flag, value))
+    assert line == f"temper: config error: {flag[2:]}: {value} is not a finite number"
