@@ -97,6 +97,7 @@ def save_config(config: Config, folder: str | os.PathLike[str]) -> Path:
 
 
 def _import_recipe_module(module: str) -> ModuleType:
+    _refuse_file_path(module)
     # A user's recipe module usually sits in the folder they launch from.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -109,6 +110,25 @@ def _import_recipe_module(module: str) -> ModuleType:
                 f"modules: {', '.join(builtin_recipe_modules())}"
             ) from err
         raise
+
+
+def _refuse_file_path(module: str) -> None:
+    """MODULE is imported, not run: a file path (``my_recipes.py``, ``./recipes/my.py``) gets
+    the module name to type instead."""
+    path = Path(module)
+    if path.suffix != ".py" and "/" not in module and os.sep not in module:
+        return
+    stem, folder = path.stem, path.parent
+    if str(folder) == ".":
+        instead = f"MODULE={stem}, run from the folder that holds {path.name}"
+    else:
+        instead = f"MODULE={stem}, run from {folder}"
+        if not path.is_absolute() and ".." not in folder.parts:
+            instead = f"MODULE={'.'.join((*folder.parts, stem))} from here, or {instead}"
+    raise ConfigError(
+        f"recipe module {module!r} (MODULE / --module) is a file path, not a module name; "
+        f"type {instead}"
+    )
 
 
 def _find_recipe(mod: ModuleType, module: str, function: str):

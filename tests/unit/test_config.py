@@ -303,3 +303,34 @@ def test_non_finite_numbers_in_lists_are_named_by_index() -> None:
     with pytest.raises(ConfigError) as error:
         config.validate(world_size=1)
     assert str(error.value) == "data.sources.1.weight: nan is not a finite number"
+
+
+@pytest.mark.parametrize(
+    ("module", "instead"),
+    [
+        ("my_recipes.py", "MODULE=my_recipes, run from the folder that holds my_recipes.py"),
+        (
+            "./recipes/my_recipes.py",
+            "MODULE=recipes.my_recipes from here, or MODULE=my_recipes, run from recipes",
+        ),
+        ("recipes/my.py", "MODULE=recipes.my from here, or MODULE=my, run from recipes"),
+        ("/srv/recipes/my.py", "MODULE=my, run from /srv/recipes"),
+    ],
+)
+def test_module_given_as_a_file_path_says_what_to_type(module: str, instead: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(module, "my_run", [])
+    assert str(error.value) == (
+        f"recipe module {module!r} (MODULE / --module) is a file path, not a module name; "
+        f"type {instead}"
+    )
+
+
+def test_the_module_name_suggested_for_a_path_loads(tmp_path, monkeypatch) -> None:
+    folder = tmp_path / "path_recipes"
+    folder.mkdir()
+    (folder / "my_path_run.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="type MODULE=path_recipes.my_path_run from here"):
+        load_config("path_recipes/my_path_run.py", "my_run", [])
+    assert load_config("path_recipes.my_path_run", "my_run", []).training.steps == 7
