@@ -10,6 +10,7 @@ import subprocess
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def one_error(code: int, err: str) -> str:
     return lines[0]
 
 
-def tiny_hf_folder(folder: Path, vocab_size: int = 768) -> Path:
+def tiny_hf_folder(folder: Path, vocab_size: int = 768, **config_fields: Any) -> Path:
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=32,
@@ -45,6 +46,7 @@ def tiny_hf_folder(folder: Path, vocab_size: int = 768) -> Path:
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
+        **config_fields,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -171,3 +173,32 @@ def test_non_finite_numbers_exit_2_naming_the_field(
 ) -> None:
     line = one_error(*check(capsys, flag, value))
     assert line == f"temper: config error: {flag[2:]}: {value} is not a finite number"
+
+
+def test_seq_len_above_the_flavors_positions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--training.seq_len", "100000", "--job.dump_folder", str(tmp_path)]
+    line = one_error(*check(capsys, *args))
+    assert line == (
+        "temper: config error: training.seq_len (100000) is above the model's 2048 positions "
+        "(max_seq_len of llama3/debug): lower --training.seq_len, or train a model with a RoPE "
+        "scaling (rope_scaling, e.g. yarn, in an HF folder's config.json), which allows longer "
+        "sequences"
+    )
+
+
+def test_seq_len_above_an_hf_folders_positions_unless_rope_is_scaled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hf = tiny_hf_folder(tmp_path / "hf", max_position_embeddings=64)
+    run = ["--model.hf_path", str(hf), "--job.dump_folder", str(tmp_path / "run")]
+    assert check(capsys, *run, "--training.seq_len", "64") == (0, "")
+    line = one_error(*check(capsys, *run, "--training.seq_len", "65"))
+    assert "training.seq_len (65) is above the model's 64 positions " in line
+    assert f"(max_position_embeddings of {hf}/config.json)" in line
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0}
+    rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    scaled = tiny_hf_folder(tmp_path / "scaled", max_position_embeddings=64, rope_parameters=rope)
+    run[1] = str(scaled)
+    assert check(capsys, *run, "--training.seq_len", "256") == (0, "")
