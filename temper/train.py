@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from temper.utils.device import shutdown_runtime
 
     try:
-        finished = Trainer(config).train()
+        trainer = Trainer(config)
+        finished = trainer.train()
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a traceback per rank
         if os.environ.get("RANK", "0") == "0":
             print("temper: interrupted", file=sys.stderr)
@@ -138,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         shutdown_runtime()
-    return 0 if finished else 130
+    return 0 if finished else trainer.stop.exit_code  # 130 on Ctrl-C, 143 on SIGTERM
 
 
 if __name__ == "__main__":

@@ -90,18 +90,23 @@ def summary_line(
     return f"temper: done: {steps} steps in {spent}, {tokens:,} tokens{last}{saved}"
 
 
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that ask for a stop at a step boundary, in the order of precedence."""
+
+
 class StopRequest:
     """Inside the block, the first Ctrl-C (SIGINT) or SIGTERM only asks the loop to stop at
     the next step boundary; a second Ctrl-C interrupts at once (KeyboardInterrupt)."""
 
     def __init__(self) -> None:
-        self._requested = False
         self._previous: dict[int, object] = {}
-        self.cause = "a stop on another rank"
-        """What asked this rank to stop: ``Ctrl-C``, ``SIGTERM`` (a scheduler, ``timeout``)."""
+        self.signum = 0
+        """The signal that asked to stop (0: none yet): this rank's, or once ``agreed`` any
+        rank's."""
 
     def __enter__(self) -> StopRequest:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        self.signum = 0
+        for sig in _STOPS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -110,12 +115,25 @@ class StopRequest:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._requested and signum == signal.SIGINT:
+        if self.signum and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self._requested = True
-        self.cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.signum = signum
+
+    @property
+    def cause(self) -> str:
+        """What asked to stop: ``Ctrl-C``, ``SIGTERM`` (a scheduler, ``timeout``)."""
+        return "Ctrl-C" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """A shell's code for a process that the signal ended: 130 (Ctrl-C), 143 (SIGTERM)."""
+        return 128 + self.signum
 
     def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop: every rank stops at the same step."""
-        flag = torch.tensor(float(self._requested), device=device)
-        return bool(all_reduce_sum(flag) > 0)
+        """Whether any rank was asked to stop, so every rank stops at the same step; each then
+        knows the signal (SIGTERM where both came) and exits with the same code."""
+        votes = torch.tensor([float(self.signum == sig) for sig in _STOPS], device=device)
+        asked = [sig for sig, n in zip(_STOPS, all_reduce_sum(votes).tolist(), strict=True) if n]
+        if asked:
+            self.signum = asked[-1]
+        return bool(asked)

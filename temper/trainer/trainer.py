@@ -49,6 +49,8 @@ class Trainer:
 
     def __init__(self, config: Config, runtime: Runtime | None = None) -> None:
         runtime = runtime or init_runtime()
+        self.stop = StopRequest()
+        """What stopped ``train`` early: its signal, cause and exit code."""
         if config.checkpoint.initial_load is None and config.checkpoint.initial_recipe:
             config.validate(runtime.world_size)
             config.checkpoint.initial_load = train_initial_checkpoint(config, runtime)
@@ -125,7 +127,7 @@ class Trainer:
         engine.model.train()
         started, metrics = time.perf_counter(), {}
         try:
-            with StopRequest() as stop:
+            with self.stop as stop:
                 while state.step < config.training.steps:
                     with self.profiler.step(state.step + 1):
                         with self.phases("data"):

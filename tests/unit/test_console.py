@@ -111,3 +111,38 @@ def test_stop_names_what_asked_for_it(tmp_path) -> None:
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGINT)
     assert stop.cause == "Ctrl-C"
+
+
+def test_sigterm_exits_143_and_ctrl_c_130(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exit code follows the signal, as a shell reports a process that it ended."""
+    step = Trainer.train_step
+    for sig, code, cause in ((signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "Ctrl-C")):
+
+        def stopped_at_2(self: Trainer, micro_batches, sig=sig):  # noqa: ANN001, ANN202
+            metrics = step(self, micro_batches)
+            if self.state.step == 2:
+                os.kill(os.getpid(), sig)
+            return metrics
+
+        monkeypatch.setattr(Trainer, "train_step", stopped_at_2)
+        args = [*TINY[:6], "--metrics.no-tensorboard", "--job.dump_folder", str(tmp_path / cause)]
+        assert main(args) == code
+        assert stdout_lines(capsys)[-1] == (
+            f"temper: stopped at step 2 on {cause}; no checkpoint saved (--checkpoint.enable "
+            "saves them)"
+        )
+
+
+def test_a_rank_stopped_by_another_takes_its_signal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM reached another rank only: this one stops too, naming it, and exits 143."""
+    import temper.trainer.console as console
+
+    monkeypatch.setattr(console, "all_reduce_sum", lambda votes: votes + torch.tensor([0, 1]))
+    with console.StopRequest() as stop:
+        assert stop.agreed(torch.device("cpu"))
+    assert (stop.cause, stop.exit_code) == ("SIGTERM", 143)
+    monkeypatch.setattr(console, "all_reduce_sum", lambda votes: votes)
+    with stop:
+        assert not stop.agreed(torch.device("cpu"))
