@@ -14,6 +14,7 @@ from temper.engine import build_run_model, load_run_tokenizer
 from temper.engine.checkpointing import TrainCheckpointer
 from temper.engine.engine import read_initial_adapter
 from temper.trainer.positions import check_positions
+from temper.trainer.run_lock import check_run_folder_free
 
 PREFLIGHT_RECORDS = 100
 """Records of each data file parsed before launch: the format's mistakes show in the first
@@ -27,6 +28,7 @@ def preflight(config: Config) -> None:
     tokenizer larger than the model's vocabulary, LoRA targets that match nothing (on the
     meta model), a checkpoint to resume or ``initial_load`` of another model."""
     check_writable(config.job.dump_folder)
+    check_run_folder_free(config.job.dump_folder)
     check_positions(config)
     tokenizer = load_run_tokenizer(config)
     if config.data.format != "text":

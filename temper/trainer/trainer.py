@@ -36,6 +36,7 @@ from temper.trainer.metrics import MetricsLogger, RolloutClock, Throughput, peak
 from temper.trainer.moe_load import MoELoad, write_load
 from temper.trainer.phases import PhaseTimer
 from temper.trainer.profiling import StepProfiler
+from temper.trainer.run_lock import hold_run_folder
 from temper.trainer.state import TrainState
 from temper.trainer.validation import build_validation
 from temper.utils.device import Runtime, init_runtime
@@ -49,6 +50,7 @@ class Trainer:
 
     def __init__(self, config: Config, runtime: Runtime | None = None) -> None:
         runtime = runtime or init_runtime()
+        self.run_lock = hold_run_folder(config.job.dump_folder, runtime)
         self.stop = StopRequest()
         """What stopped ``train`` early: its signal, cause and exit code."""
         if config.checkpoint.initial_load is None and config.checkpoint.initial_recipe:
@@ -112,6 +114,7 @@ class Trainer:
         config, engine, state = self.config, self.engine, self.state
         root, saving = engine.checkpointer.root, config.checkpoint.enable
         if state.step >= config.training.steps:
+            self.run_lock.release()
             self._say(complete_line(state.step, root))
             return True
         if engine.runtime.is_main:
@@ -143,6 +146,7 @@ class Trainer:
                         return False
         finally:
             self.metrics.close()
+            self.run_lock.release()
         loss = float(metrics["loss"]) if "loss" in metrics else None
         steps, seconds = state.step - self.start_step, time.perf_counter() - started
         self._say(summary_line(steps, seconds, state.tokens_seen, loss, root, saving))

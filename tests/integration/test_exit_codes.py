@@ -48,3 +48,39 @@ def test_sigterm_exits_143(tmp_path: Path, ngpu: int) -> None:
     assert code == 143, output
     assert re.search(r"temper: stopped at step \d+ on SIGTERM", output), output
     assert "Traceback" not in output, output
+
+
+HOLD = (
+    "import sys\n"
+    "from temper.trainer.run_lock import RunLock\n"
+    "RunLock(sys.argv[1]).acquire()\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+@pytest.mark.slow
+def test_a_held_run_folder_under_torchrun_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Two runs started at once pass the pre-flight together: the second's ranks refuse the
+    folder themselves, and torchrun adds no failure report to rank 0's line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+    try:
+        launch = [sys.executable, "-m", "temper.launch", "--standalone", "--nproc_per_node=2"]
+        train = ["-m", "temper.train", "--training.steps", "2", "--job.dump_folder", str(run)]
+        result = subprocess.run(
+            [*launch, *train], env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 2, result.stderr
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(
+        f"temper: config error: job.dump_folder {run} is in use by another run (pid {holder.pid} "
+    )
