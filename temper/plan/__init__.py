@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from temper.plan.planner import Plan, plan_run
+from temper.plan.planner import EP_IMBALANCE, Plan, plan_run
 from temper.plan.report import format_plan
 
 
@@ -29,6 +29,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="ranks to plan for (default: WORLD_SIZE, else 1)",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--ep_imbalance",
+        type=float,
+        default=EP_IMBALANCE,
+        help="under expert parallelism, the busiest rank's routed rows over its even share "
+        f"(default {EP_IMBALANCE}, measured on the debug MoE recipes; the worst case is "
+        "ep x min(top_k, experts per rank) / top_k)",
+    )
     parser.add_argument("--dry_run", action="store_true", help=argparse.SUPPRESS)
     known, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if "-h" in overrides or "--help" in overrides:
@@ -39,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"temper: config error: {error}", file=sys.stderr)
         return 2
-    plan = plan_run(config, known.world_size, known.device)
+    plan = plan_run(config, known.world_size, known.device, known.ep_imbalance)
     print(format_plan(plan))
     return 2 if plan.errors else 0
 

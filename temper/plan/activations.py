@@ -5,8 +5,10 @@ backward counted per block, and the outputs that selective checkpointing keeps b
 Each family's code is its own formula this way: MLA, Gated DeltaNet, MoE dispatch and the
 fused loss save what they save. The counts are the unsharded model's on one rank's tokens
 (``local_batch_size x seq_len / sp``), which is what a rank holds under FSDP (parameters are
-sharded, activations are not), EP (balanced routing sends as many rows as it receives) and
-Ulysses SP (a rank's slice of the sequence; attention's all-to-all trades heads for tokens).
+sharded, activations are not) and Ulysses SP (a rank's slice of the sequence; attention's
+all-to-all trades heads for tokens). Under EP the experts run behind a stand-in for the
+all-to-all dispatcher that receives ``imbalance`` times the rows the rank sends: routing
+does not split tokens evenly, and the plan is the busiest rank's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from temper.config import Config
 from temper.kernels.dispatch import configure_kernels
+from temper.models.layers.moe import MoE
 from temper.objectives import Objective
 from temper.parallel.activation_checkpoint import SAVED_OPS
 from temper.utils.compat import TorchDispatchMode
@@ -123,8 +126,35 @@ class _FlashAttentionShapes(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_SDPA = F.scaled_dot_product_attention
+
+
+def fused_attention_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: str) -> bool:
+    """Whether sdpa on ``device`` takes a kernel that never writes the [s, s] scores out. CUDA
+    always has one (flash, memory-efficient or cuDNN); CPU's flash kernel needs one head dim
+    for q, k and v (torch's ``check_head_dim_size_cpp``), so MLA's shorter values send it to
+    the math path, which saves the softmax."""
+    return device != "cpu" or q.shape[-1] == k.shape[-1] == v.shape[-1]
+
+
+class _Exchange(torch.autograd.Function):
+    """An all-to-all's shapes: ``rows`` [T, dim] in, ``n`` rows out (and back in backward);
+    like ``all_to_all_single_autograd`` it saves nothing."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, n: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.rows = rows.shape[0]
+        return rows.new_empty(n, rows.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return grad.new_empty(ctx.rows, grad.shape[1]), None
+
+
 class _Measure:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, device: str, imbalance: float) -> None:
+        self.device = device
+        self.imbalance = imbalance
         params = {p.untyped_storage()._cdata for p in model.parameters()}
         params |= {b.untyped_storage()._cdata for b in model.buffers()}
         self.saved_storages = _Storages(params)
@@ -135,10 +165,32 @@ class _Measure:
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
     ) -> torch.Tensor:
-        """Stands in for ``F.scaled_dot_product_attention`` ([b, h, s, d] operands)."""
-        out = _FlashAttentionShapes.apply(q, k, v)
+        """Stands in for ``F.scaled_dot_product_attention`` ([b, h, s, d] operands): a fused
+        kernel's shapes where the device has one, else sdpa's math decomposition."""
+        if fused_attention_runs(q, k, v, self.device):
+            out = _FlashAttentionShapes.apply(q, k, v)
+        else:
+            out = _SDPA(q, k, v, **kwargs)  # type: ignore[arg-type]
         self.add_kept(self.kept_storages.bytes_of(out))
         self.activations.attention_io += sum(t.nbytes for t in (q, k, v, out))
+        return out
+
+    def dispatch(
+        self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Stands in for EP's ``AllToAllDispatcher`` on a rank that receives ``imbalance``
+        times the rows it sends: the received rows, their copy sorted by expert and the
+        expert activations scale with it; the exchanges' outputs count as kept, as the real
+        all-to-alls' are under selective checkpointing."""
+        received = self.exchange(rows, round(self.imbalance * rows.shape[0]))
+        order = torch.arange(received.shape[0], device=rows.device)
+        out = experts(received[order], counts.cumsum(0, dtype=torch.int32))
+        out = out.new_empty(out.shape).index_copy(0, order, out)
+        return self.exchange(out, rows.shape[0])
+
+    def exchange(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        out = _Exchange.apply(rows, n)
+        self.add_kept(self.kept_storages.bytes_of(out))
         return out
 
     def add_kept(self, n: int) -> None:
@@ -174,17 +226,29 @@ class _Measure:
 
 
 def measure_activations(
-    config: Config, model: nn.Module, objective: Objective, tokens: tuple[int, int]
+    config: Config,
+    model: nn.Module,
+    objective: Objective,
+    tokens: tuple[int, int],
+    device: str = "cuda",
+    ep_imbalance: float | None = None,
 ) -> Activations:
     """Run ``objective.loss`` once on ``model`` (on meta, unsharded, not checkpointed) over a
     micro-batch of ``tokens`` = (rows, sequence length) of one document each and count what
-    it saves. Attention counts as a flash-style kernel's (``_FlashAttentionShapes``)."""
+    it saves. Attention counts as a flash-style kernel's (``_FlashAttentionShapes``) where
+    ``device`` runs one (``fused_attention_runs``), else as sdpa's math path. With
+    ``ep_imbalance`` the experts sit behind an expert-parallel dispatch whose rank receives
+    that many times the rows it sends (``_Measure.dispatch``)."""
     configure_kernels(config.kernels, torch.device("meta"))
     model.attn_backend = "sdpa"
     rows, length = tokens
     ids = torch.zeros(rows, length, dtype=torch.long, device="meta")
     batch = {"input_ids": ids, "labels": ids}
-    measure = _Measure(model)
+    measure = _Measure(model, device, ep_imbalance or 1.0)
+    if ep_imbalance is not None:
+        for moe in model.modules():
+            if isinstance(moe, MoE):
+                moe.dispatcher = measure.dispatch
     hooks = torch.autograd.graph.saved_tensors_hooks(measure.pack, lambda t: t)
     attention = mock.patch.object(F, "scaled_dot_product_attention", measure.attention)
     model.train()

@@ -28,6 +28,11 @@ from temper.plan.layout import (
 from temper.utils.compat import init_fake_process_group
 from temper.utils.device import resolve_dtype
 
+EP_IMBALANCE = 1.4
+"""The busiest expert-parallel rank receives this many times its even share of routed rows
+(``--ep_imbalance``). Measured: the third step of the debug MoE recipes on 2 ranks from a
+random init (``python -m bench.plan_memory``, docs/observability.md)."""
+
 
 @dataclass(frozen=True)
 class RankMemory:
@@ -71,13 +76,22 @@ class Plan:
     """(rows, tokens per row) of one rank's micro-batch."""
     grad_accum: int = 1
     compute_dtype: torch.dtype = torch.float32
+    ep_imbalance: float = EP_IMBALANCE
+    """Under EP every rank is planned as the busiest (any may be): it receives this many
+    times its even share of routed rows."""
 
 
-def plan_run(config: Config, world_size: int, device: str = "cuda") -> Plan:
+def plan_run(
+    config: Config, world_size: int, device: str = "cuda", ep_imbalance: float = EP_IMBALANCE
+) -> Plan:
     """Check ``config`` for ``world_size`` ranks on ``device`` (cuda or cpu) and, when it
-    passes, lay it out and estimate each rank's memory and communication. Runs in one
-    process (a fake process group stands in for the others); needs no accelerator."""
-    plan = Plan(config, world_size, device)
+    passes, lay it out and estimate each rank's memory and communication; under expert
+    parallelism for a rank receiving ``ep_imbalance`` times its even share of routed rows.
+    Runs in one process (a fake process group stands in for the others); needs no
+    accelerator."""
+    if ep_imbalance < 1:
+        raise ValueError(f"ep_imbalance {ep_imbalance} must be >= 1 (1: even routing)")
+    plan = Plan(config, world_size, device, ep_imbalance=ep_imbalance)
     plan.errors = config_errors(config, world_size)
     if plan.errors:
         return plan
@@ -107,7 +121,10 @@ def plan_run(config: Config, world_size: int, device: str = "cuda") -> Plan:
     unsharded = build_run_model(config, tokenizer)
     if dtype != torch.float32:
         unsharded = unsharded.to(dtype)
-    plan.activations = measure_activations(config, unsharded, CausalLM(), plan.tokens)
+    imbalance = ep_imbalance if dims.ep > 1 else None
+    plan.activations = measure_activations(
+        config, unsharded, CausalLM(), plan.tokens, device, imbalance
+    )
     block_grads = _block_param_bytes(unsharded, dims.fsdp)
     shards = list(params.values())
     compute = torch.empty((), dtype=dtype).element_size()
@@ -215,8 +232,10 @@ def communication(
     that; an all-to-all (n - 1) / n of its input). FSDP gathers each unit in forward and,
     if it resharded, again in backward, and reduce-scatters fp32 gradients each micro-batch;
     EP's all-to-alls run twice in forward (dispatch, combine) and twice in backward, again
-    in a full checkpoint's recomputation; Ulysses exchanges q, k, v and the output.
-    ``routed_width``: MoE layers x top_k x model width, the elements a token sends."""
+    in a full checkpoint's recomputation: the busiest rank receives ``ep_imbalance`` times
+    its share in the dispatch and its backward, its share in the combine and its backward;
+    Ulysses exchanges q, k, v and the output. ``routed_width``: MoE layers x top_k x model
+    width, the elements a token sends."""
     comm = Communication()
     compute = torch.empty((), dtype=plan.compute_dtype).element_size()
     micro = plan.grad_accum
@@ -232,7 +251,7 @@ def communication(
             comm.all_reduce += micro * 2 * shard * 4 * (unit.replicas - 1) / unit.replicas
     rows, length = plan.tokens
     if dims.ep > 1:
-        passes = 4 + (2 if full_recompute else 0)
+        passes = (4 + (2 if full_recompute else 0)) * (1 + plan.ep_imbalance) / 2
         sent = rows * length * routed_width * compute
         comm.all_to_all_ep += micro * passes * sent * (dims.ep - 1) / dims.ep
     if dims.sp > 1 and plan.activations is not None:

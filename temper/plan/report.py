@@ -26,6 +26,11 @@ def format_plan(plan: Plan) -> str:
         f"ep {dims.ep} (efsdp {dims.efsdp}); {dtype} compute, fp32 masters, "
         f"{config.optimizer.name}, activation checkpoint {config.activation_checkpoint.mode}"
     )
+    if dims.ep > 1:
+        lines.append(
+            f"expert parallelism: each rank planned as the busiest, receiving "
+            f"{plan.ep_imbalance:g}x its even share of routed rows (--ep_imbalance)"
+        )
     lines.append(
         f"micro-batch per rank: {rows} x {length} tokens, {plan.grad_accum} per step "
         "(grad accumulation)"
