@@ -38,6 +38,8 @@ class Generation:
     model's distribution at the sampling temperature (1 when greedy), without top-k/top-p:
     what the trainer's forward gives the same tokens with its logits divided by that
     temperature; 0 after a row's end."""
+    finish_reasons: list[str] | None = None
+    """Per row (from a rollout engine): "stop" (ended on a stop token) or "length"."""
 
     def texts(self, decode: Callable[[list[int]], str], stop_tokens: Collection[int]) -> list[str]:
         """Each row's new tokens as text, without the stop token that ended it."""

@@ -1,0 +1,64 @@
+"""The ``native`` rollout engine: the training model samples its own rollouts with
+``temper.generation.generate``. Exact (the sampler is the policy, in the loss's precision) and
+needs no other process; its weights are the trainer's, so ``update_weights`` has nothing to
+do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from temper.generation.decoding import Generation, generate
+from temper.generation.engines.base import SamplingParams
+
+
+class NativeEngine:
+    """``generate`` on ``model``, with its lockstep group (expert parallelism) and compiled
+    decode step if asked. The caller sets the model's mode and gathers its weights (a
+    rollout does both once for all its forwards)."""
+
+    def __init__(
+        self, model: nn.Module, lockstep_group: ProcessGroup | None = None, compile: bool = False
+    ) -> None:
+        self.model = model
+        self.lockstep_group = lockstep_group
+        self.compile = compile
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> Generation:
+        out = generate(
+            self.model,
+            prompts,
+            params.max_new_tokens,
+            params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            stop_tokens=params.stop_tokens,
+            generator=generator,
+            return_log_probs=True,
+            lockstep_group=self.lockstep_group,
+            compile=self.compile,
+        )
+        out.finish_reasons = finish_reasons(out, params)
+        return out
+
+    def update_weights(self, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> None:
+        """Nothing to take: the model samples with the weights it trains."""
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
+def finish_reasons(out: Generation, params: SamplingParams) -> list[str]:
+    """ "stop" for a row that ended on a stop token, "length" for one cut at max_new_tokens."""
+    reasons = []
+    for row, n in zip(out.tokens.tolist(), out.lengths.tolist(), strict=True):
+        reasons.append("stop" if n and row[n - 1] in params.stop_tokens else "length")
+    return reasons
