@@ -305,6 +305,36 @@ where a pattern a user gives must match."""
 
 
 @dataclass
+class Rollout:
+    """``--rollout.*``: what samples an RL objective's rollouts, and when (see
+    docs/post-training.md)."""
+
+    engine: Literal["native", "vllm"] = "native"
+    """native: the training model decodes its own rollouts (exact, small scale); vllm: a vLLM
+    server (started by the run from scripts/setup_vllm.sh's virtualenv, or at rollout.url)
+    samples them and takes the weights after every update."""
+    url: str | None = None
+    """A vLLM server someone else runs (http://host:port); None starts one on 127.0.0.1."""
+    vllm_python: str | None = None
+    """The interpreter of vLLM's virtualenv; None = ~/.cache/temper/venv-vllm/bin/python."""
+    vllm_args: str = ""
+    """More arguments for the managed server (--gpu-memory-utilization 0.5, say)."""
+    startup_timeout_s: float = 600.0
+    """The longest wait for the managed server to answer its health check."""
+    kv_cache_gib: float = 1.0
+    """KV-cache memory of the managed server."""
+    weights_dir: str = "/dev/shm"
+    """Where the weights sent to the server are written (a folder per run under it)."""
+    bucket_mib: int = 512
+    """The weights are written in files of about this size, one in memory at a time."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: each step's rollout is sampled with the current weights; async: the next step's
+    rollout is sampled while this step trains (rollout.staleness)."""
+    staleness: int = 1
+    """async: updates between the sampling weights and the trained ones (0 or 1; 0 is sync)."""
+
+
+@dataclass
 class LoRA:
     enable: bool = False
     """Train low-rank adapters on target_modules; every other weight is frozen."""
@@ -517,6 +547,7 @@ class Config:
     validation: Validation = field(default_factory=Validation)
     objective: ObjectiveConfig = field(default_factory=default_objective)
     lora: LoRA = field(default_factory=LoRA)
+    rollout: Rollout = field(default_factory=Rollout)
     metrics: Metrics = field(default_factory=Metrics)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -554,6 +585,7 @@ class Config:
         check_positive(self, "lora.rank", "lora.alpha", "data.builtin_examples")
         check_range(self, "lora.dropout", 0.0, 1.0, right_open=True)
         _check_objective(self)
+        _check_rollout(self)
         self.objective.validate(self)
         for rule in _RULES:
             rule(self, world_size)
@@ -647,6 +679,27 @@ def _check_profiling(config: Config) -> None:
             f"profiling.moe_heatmap_freq ({freq}) must be 0 or a multiple of metrics.log_freq "
             f"({log_freq}): a map shows the steps logged since the last one"
         )
+
+
+def _check_rollout(config: Config) -> None:
+    """Rollout settings only where there are rollouts, and async only where it can overlap."""
+    rollout = config.rollout
+    if rollout != Rollout() and config.objective.completion_tokens() == 0:
+        raise ConfigError(
+            f"rollout.* configures RL rollouts; objective.name {config.objective.name!r} samples "
+            "none (use grpo)"
+        )
+    if rollout.staleness not in (0, 1):
+        raise ConfigError(f"rollout.staleness must be 0 or 1, got {rollout.staleness}")
+    if rollout.mode == "async" and rollout.engine == "native":
+        raise ConfigError(
+            "rollout.mode async overlaps sampling with training, which needs a sampler apart "
+            "from the trained model: add --rollout.engine vllm"
+        )
+    if rollout.engine == "native" and (rollout.url or rollout.vllm_python):
+        raise ConfigError("rollout.url and rollout.vllm_python need --rollout.engine vllm")
+    check_positive(config, "rollout.startup_timeout_s", "rollout.kv_cache_gib")
+    check_positive(config, "rollout.bucket_mib")
 
 
 def _check_objective(config: Config) -> None:

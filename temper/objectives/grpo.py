@@ -38,6 +38,8 @@ from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, 
 from temper.data.batch import IGNORE_INDEX, SEQUENCE_SHARD, Batch
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
+from temper.generation import gathered_weights
+from temper.generation.engines import RolloutEngine
 from temper.generation.sampling import check_sampling
 from temper.models.fit import model_args
 from temper.models.layers.route_replay import ROUTES, replaying_routes
@@ -51,7 +53,8 @@ from temper.objectives.registry import (
     register_objective,
 )
 from temper.objectives.rewards import Reward, exact_match, get_reward, reward_names
-from temper.objectives.rollout import RolloutSampler
+from temper.objectives.rollout import Rollout, RolloutSampler, Sampled
+from temper.parallel.ulysses import whole_sequences
 
 
 def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
@@ -91,6 +94,10 @@ class GRPOConfig(ObjectiveConfig):
     tis_cap: float | None = None
     """Truncated importance sampling: weigh each token by min(exp(old - sampler), cap),
     the trainer's old log-prob against the sampler's; None = off."""
+    mask_band: tuple[float, float] | None = None
+    """Token-level masking of the sampler-trainer gap: tokens whose exp(old - sampler) leaves
+    [low, high] get no loss (their sampler drew them from a distribution the trainer does not
+    hold); None = off. Composes with tis_cap; e.g. 0.5 2.0 with --rollout.engine vllm."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: completions longer than max_new_tokens minus this
     lose up to overlong_penalty reward, linearly; 0 = off."""
@@ -159,6 +166,12 @@ class GRPOConfig(ObjectiveConfig):
             raise ConfigError(f"objective.clip_high must be >= 0, got {self.clip_high}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError(f"objective.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if self.mask_band is not None and not 0 < self.mask_band[0] < 1 < self.mask_band[1]:
+            raise ConfigError(
+                f"objective.mask_band must be (low, high) with 0 < low < 1 < high, got "
+                f"{self.mask_band}"
+            )
+        _check_engine(self, config)
         if not 0 <= self.overlong_buffer <= self.max_new_tokens:
             raise ConfigError(
                 f"objective.overlong_buffer must be in [0, objective.max_new_tokens "
@@ -182,7 +195,9 @@ class GRPOConfig(ObjectiveConfig):
     def policy_loss(self) -> PolicyLoss:
         """The loss ``objective.loss`` names, with its clip range."""
         high = self.clip_eps if self.clip_high is None else self.clip_high
-        return PolicyLoss(self.loss, self.clip_eps, high, self.tis_cap, self.max_new_tokens)
+        return PolicyLoss(
+            self.loss, self.clip_eps, high, self.tis_cap, self.max_new_tokens, self.mask_band
+        )
 
     def completion_tokens(self) -> int:
         return self.max_new_tokens
@@ -213,6 +228,35 @@ class GRPOConfig(ObjectiveConfig):
             router_replay=self.router_replay,
             **(reference_policy(config, build_reference) if self.kl_coef else {}),
         )
+
+
+def _check_engine(section: GRPOConfig, config: Config) -> None:
+    """What only the native sampler offers, and what asynchronous rollouts cannot do."""
+    rollout = config.rollout
+    if rollout.engine != "native":
+        for name in ("router_replay", "compile_rollouts"):
+            if getattr(section, name):
+                raise ConfigError(
+                    f"objective.{name} needs --rollout.engine native (vLLM does not return "
+                    "the experts it routed to, and compiles its own decoding)"
+                )
+    if rollout.mode == "async":
+        if rollout.staleness and section.tis_cap is None and section.mask_band is None:
+            raise ConfigError(
+                "rollout.mode async samples with the weights of one update before: set "
+                "objective.tis_cap (e.g. 2.0) or objective.mask_band (e.g. 0.5 2.0) to correct "
+                "for the policy that sampled"
+            )
+        if section.dynamic_sampling:
+            raise ConfigError(
+                "objective.dynamic_sampling with rollout.mode async: refills draw prompts "
+                "while the step trains; use rollout.mode sync"
+            )
+        if section.updates_per_rollout != 1:
+            raise ConfigError(
+                f"objective.updates_per_rollout {section.updates_per_rollout} with rollout.mode "
+                "async: an asynchronous rollout serves one update"
+            )
 
 
 def _check_router_replay(config: Config) -> None:
@@ -277,7 +321,9 @@ class GRPO:
             lockstep_group=lockstep_group,
             accuracy=accuracy,
             overlong=overlong,
-            keep_sampler_log_probs=self.policy_loss.tis_cap is not None,
+            keep_sampler_log_probs=(
+                self.policy_loss.tis_cap is not None or self.policy_loss.mask_band is not None
+            ),
             compile=compile_rollouts,
             router_replay=router_replay,
         )
@@ -293,13 +339,32 @@ class GRPO:
         return self.policy_loss.count(batch["labels"] != IGNORE_INDEX)
 
     def prepare(
-        self, model: nn.Module, prompts: Batch, generator: torch.Generator
+        self,
+        model: nn.Module,
+        prompts: Batch,
+        generator: torch.Generator,
+        engine: RolloutEngine | None = None,
     ) -> tuple[Batch, dict[str, float]]:
-        """Sample, score and log-prob one micro-batch of prompts (``temper.objectives.rollout``);
-        returns the training rows (``input_ids``, ``labels``, ``old_log_probs``,
-        ``advantages``, maybe ``ref_log_probs`` and ``sampler_log_probs``) and the rollout's
-        metrics."""
-        rollout = self.sampler(model, prompts, generator)
+        """Sample (with ``engine``; None: the model itself), score and log-prob one
+        micro-batch of prompts (``temper.objectives.rollout``); returns the training rows
+        (``input_ids``, ``labels``, ``old_log_probs``, ``advantages``, maybe
+        ``ref_log_probs`` and ``sampler_log_probs``) and the rollout's metrics."""
+        return self._with_advantages(self.sampler(model, prompts, generator, engine))
+
+    def sample(
+        self, model: nn.Module, prompts: Batch, generator: torch.Generator, engine: RolloutEngine
+    ) -> Sampled:
+        """``prepare``'s sampling alone (asynchronous rollouts run it beside training)."""
+        return self.sampler.sample(model, prompts, generator, engine)
+
+    def score(
+        self, model: nn.Module, prompts: Batch, sampled: Sampled
+    ) -> tuple[Batch, dict[str, float]]:
+        """``prepare``'s scoring of what ``sample`` drew."""
+        with gathered_weights(model), whole_sequences(model):
+            return self._with_advantages(self.sampler.score(model, prompts, sampled))
+
+    def _with_advantages(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:
         advantages = self.policy_loss.advantages(rollout.rewards, self.group_size)
         batch = rollout.batch | {"advantages": advantages.to(rollout.batch["input_ids"].device)}
         return batch, rollout.metrics

@@ -48,6 +48,8 @@ class PolicyLoss:
     tis_cap: float | None = None
     max_new_tokens: int = 1
     """Dr. GRPO's constant normalizer is rows x this."""
+    mask_band: tuple[float, float] | None = None
+    """Tokens whose exp(old - sampler) leaves [low, high] get no loss (None = off)."""
 
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """Group-relative advantages of the rewards: over the group's std unless ``dr_grpo``."""
@@ -93,7 +95,25 @@ class PolicyLoss:
         if self.tis_cap is not None:
             loss = loss * self._tis_weights(old_log_probs, sampler_log_probs, completion)
         metrics = {"clip_fraction": (decided & units).sum() / units.sum().clamp(min=1)}
+        if self.mask_band is not None:
+            kept = self._band_mask(old_log_probs, sampler_log_probs, completion)
+            metrics["masked_fraction"] = 1 - (kept & units).sum() / units.sum().clamp(min=1)
+            loss = loss.masked_fill(~kept, 0.0)
         return loss.masked_fill(~units, 0.0).sum(), metrics
+
+    def _band_mask(
+        self, old: torch.Tensor, sampler: torch.Tensor | None, completion: torch.Tensor
+    ) -> torch.Tensor:
+        """Where ``exp(old - sampler)`` lies in ``mask_band``, per token [b, s] (per completion
+        [b] for ``gspo``, from the mean log difference)."""
+        if sampler is None:
+            raise ValueError("objective.mask_band needs the sampler's log-probs in the batch")
+        gap = (old - sampler).masked_fill(~completion, 0.0)
+        if self.name == "gspo":
+            gap = gap.sum(dim=1) / completion.sum(dim=1).clamp(min=1)
+        low, high = self.mask_band
+        ratio = torch.exp(gap)
+        return (ratio >= low) & (ratio <= high)
 
     def _tis_weights(
         self, old: torch.Tensor, sampler: torch.Tensor | None, completion: torch.Tensor

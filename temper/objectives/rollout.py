@@ -36,7 +36,8 @@ from torch.distributed import ProcessGroup
 from temper.data.batch import IGNORE_INDEX, Batch
 from temper.data.prompts import decode_record
 from temper.data.tokenizer import Tokenizer
-from temper.generation import gathered_weights, generate
+from temper.generation import Generation, gathered_weights
+from temper.generation.engines import NativeEngine, RolloutEngine, SamplingParams
 from temper.models.layers.route_replay import (
     ROUTE_DTYPE,
     ROUTES,
@@ -54,6 +55,18 @@ from temper.parallel.ulysses import whole_sequences
 
 LOGITS_BUDGET = 2**28
 """fp32 logits elements per no-grad forward chunk of the entropy pass (1 GiB)."""
+
+
+@dataclass
+class Sampled:
+    """A rollout's completions before scoring."""
+
+    rows: list[torch.Tensor]
+    """The prompts, each repeated ``group_size`` times."""
+    generation: Generation
+    routes: torch.Tensor | None = None
+    """With router replay: the experts each fed token was routed to (``generate``'s
+    columns)."""
 
 
 @dataclass
@@ -121,58 +134,85 @@ class RolloutSampler:
         self.router_replay = router_replay
         """Record the experts that sampled each token and replay them (module docstring)."""
 
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            self.max_new_tokens,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            frozenset(self.stop_tokens),
+        )
+
     @torch.no_grad()
-    def __call__(self, model: nn.Module, prompts: Batch, generator: torch.Generator) -> Rollout:
-        mask = prompts["prompt_mask"]
-        rows = [ids[m] for ids, m in zip(prompts["prompt_ids"], mask, strict=True)]
-        rows = [row for row in rows for _ in range(self.group_size)]
-        was_training = model.training
-        model.eval()
-        recording = recording_routes(model) if self.router_replay else nullcontext()
+    def __call__(
+        self,
+        model: nn.Module,
+        prompts: Batch,
+        generator: torch.Generator,
+        engine: RolloutEngine | None = None,
+    ) -> Rollout:
+        """Sample with ``engine`` (the model itself when None) and score: one gathered region
+        for every forward of the rollout."""
         with gathered_weights(model), whole_sequences(model):
-            with recording as record:
-                out = generate(
-                    model,
-                    rows,
-                    self.max_new_tokens,
-                    self.temperature,
-                    top_k=self.top_k,
-                    top_p=self.top_p,
-                    stop_tokens=self.stop_tokens,
-                    generator=generator,
-                    return_log_probs=True,
-                    lockstep_group=self.lockstep_group,
-                    compile=self.compile,
-                )
-            model.train(was_training)  # scored in the mode the loss runs in
-            input_ids, labels = rollout_rows(rows, out.tokens, out.lengths)
-            routes = None
-            if record is not None:
-                routes = rollout_routes(stacked(record), rows, out.lengths, input_ids.shape[1])
-            with replaying_routes(model, routes):
-                old = label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
-            entropy = policy_entropy(model, input_ids, self.loss_temperature, routes)
-            batch = {"input_ids": input_ids, "labels": labels, "old_log_probs": old}
-            if routes is not None:
-                batch[ROUTES] = routes
-            if self.with_reference:
-                batch["ref_log_probs"] = self._reference_log_probs(model, input_ids, labels)
+            return self.score(model, prompts, self.sample(model, prompts, generator, engine))
+
+    def sample(
+        self,
+        model: nn.Module,
+        prompts: Batch,
+        generator: torch.Generator,
+        engine: RolloutEngine | None = None,
+    ) -> Sampled:
+        """The completions of ``group_size`` copies of each prompt. With an engine other than
+        the native one this touches no model, so it may run while the model trains."""
+        rows = [
+            ids[m] for ids, m in zip(prompts["prompt_ids"], prompts["prompt_mask"], strict=True)
+        ]
+        rows = [row for row in rows for _ in range(self.group_size)]
+        engine = engine or NativeEngine(model, self.lockstep_group, self.compile)
+        recording = recording_routes(model) if self.router_replay else nullcontext()
+        with recording as record:
+            out = engine.generate(rows, self.params, generator)
+        return Sampled(rows, out, None if record is None else stacked(record))
+
+    @torch.no_grad()
+    def score(self, model: nn.Module, prompts: Batch, sampled: Sampled) -> Rollout:
+        """The training rows of ``sampled``, the trainer's own log-probabilities of them (old,
+        entropy, reference: in the mode the loss runs in), the rewards and the metrics."""
+        rows, device = sampled.rows, prompts["prompt_ids"].device
+        out = sampled.generation
+        tokens, lengths = out.tokens.to(device), out.lengths.to(device)
+        input_ids, labels = rollout_rows(rows, tokens, lengths)
+        routes = None
+        if sampled.routes is not None:
+            routes = rollout_routes(sampled.routes, rows, lengths, input_ids.shape[1])
+        with replaying_routes(model, routes):
+            old = label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
+        entropy = policy_entropy(model, input_ids, self.loss_temperature, routes)
+        batch = {"input_ids": input_ids, "labels": labels, "old_log_probs": old}
+        if routes is not None:
+            batch[ROUTES] = routes
+        if self.with_reference:
+            batch["ref_log_probs"] = self._reference_log_probs(model, input_ids, labels)
 
         completion = labels != IGNORE_INDEX
         sampler = torch.zeros_like(old)
-        sampler[completion] = out.log_probs[_completion_mask(out.lengths, self.max_new_tokens)]
+        sampler[completion] = out.log_probs.to(device)[
+            _completion_mask(lengths, self.max_new_tokens)
+        ]
         if self.keep_sampler_log_probs:
             batch["sampler_log_probs"] = sampler
         records = [decode_record(r) for r in prompts["record_ids"]]
         texts = out.texts(self.tokenizer.decode, self.stop_tokens)
         scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, records)
-        rewards = scores["reward"] + self._overlong_penalty(out.lengths.cpu())
+        rewards = scores["reward"] + self._overlong_penalty(lengths.cpu())
         n_tokens = completion.sum().clamp(min=1)
         metrics = {name: v.mean().item() for name, v in scores.items() if name != "reward"}
         metrics |= {
             "reward_mean": rewards.mean().item(),
             "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean().item(),
-            "response_length": out.lengths.float().mean().item(),
+            "response_length": lengths.float().mean().item(),
             "entropy": (entropy[completion].sum() / n_tokens).item(),
             "logprob_diff_max": (sampler - old)[completion].abs().max().item(),
         }

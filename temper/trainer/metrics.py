@@ -170,39 +170,3 @@ class Throughput:
             "mfu": 100.0 * flops / self.peak_flops if self.peak_flops else 0.0,
             "eta_seconds": per_step * (self.total_steps - step),
         }
-
-
-class RolloutClock:
-    """How the wall time since the last log splits between rollouts and the rest (training
-    steps, logging, checkpoints). A rollout's start and end are synchronized with the
-    device, so queued training work is not counted as rollout time."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._mark = time.perf_counter()
-        self._started = 0.0
-        self._rollout = 0.0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def start(self) -> None:
-        self._sync()
-        self._started = time.perf_counter()
-
-    def stop(self) -> None:
-        self._sync()
-        self._rollout += time.perf_counter() - self._started
-
-    def measure(self) -> dict[str, float]:
-        """``rollout_seconds`` and ``train_seconds`` since the previous call (taken after a
-        log step's host sync), and ``rollout_time_share``, the rollouts' part."""
-        now = time.perf_counter()
-        window, rollout = max(now - self._mark, 1e-9), self._rollout
-        self._mark, self._rollout = now, 0.0
-        return {
-            "rollout_seconds": rollout,
-            "train_seconds": window - rollout,
-            "rollout_time_share": rollout / window,
-        }

@@ -3,7 +3,6 @@ rollouts, metrics and the checkpoint cadence."""
 
 from __future__ import annotations
 
-import hashlib
 import shlex
 import shutil
 import time
@@ -21,7 +20,7 @@ from temper.data.batch import Batch
 from temper.data.loader import build_loader
 from temper.engine import Engine, NonFiniteError
 from temper.objectives import Objective, RolloutObjective, build_objective, micro_batch_scope
-from temper.objectives.dynamic_sampling import DynamicSampling, Rollout, fill_rollout
+from temper.objectives.driver import RolloutDriver
 from temper.parallel.collectives import all_reduce_sum, combine_metrics, sum_over_data_ranks
 from temper.trainer.console import (
     StopRequest,
@@ -32,7 +31,7 @@ from temper.trainer.console import (
     stopped_line,
     summary_line,
 )
-from temper.trainer.metrics import MetricsLogger, RolloutClock, Throughput, peak_memory_gib
+from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
 from temper.trainer.moe_load import MoELoad, write_load
 from temper.trainer.phases import PhaseTimer
 from temper.trainer.profiling import StepProfiler
@@ -65,6 +64,10 @@ class Trainer:
         self.loader = build_loader(
             config, engine.tokenizer, engine.dims.dp_rank, engine.dims.dp, sum_counts
         )
+        self.driver = None
+        if isinstance(self.objective, RolloutObjective):
+            data_rank = (engine.dims.dp_rank, engine.dims.dp)
+            self.driver = RolloutDriver(self.objective, engine, config, self.grad_accum, data_rank)
         self.state = self._train_state()
         self.validation = build_validation(config, engine, self.objective, self.grad_accum)
         # The step to resume first: whether the checkpoint holds a rollout depends on it.
@@ -83,7 +86,6 @@ class Trainer:
             peak_flops=peak_flops(engine.device, engine.dtype),
             total_steps=config.training.steps,
         )
-        self.rollout_clock = RolloutClock(engine.device)
         self.phases = PhaseTimer(engine.device, enabled=config.profiling.phase_times)
         self.profiler = StepProfiler(
             config.profiling, config.job.dump_folder, runtime.rank, engine.device
@@ -92,8 +94,9 @@ class Trainer:
 
     def _train_state(self) -> TrainState:
         objective, config, device = self.objective, self.config, self.engine.device
-        if not isinstance(objective, RolloutObjective):
+        if self.driver is None:
             return TrainState(self.loader)
+        assert isinstance(objective, RolloutObjective)
 
         def template() -> list[Batch]:
             prompts, width = config.training.local_batch_size, config.training.seq_len
@@ -136,6 +139,8 @@ class Trainer:
                         with self.phases("data"):
                             micro_batches, rollout_metrics = self._next_batches(batches)
                         metrics = self.train_step(micro_batches) | rollout_metrics
+                        if self.driver is not None:
+                            self.driver.after_update()
                         last = state.step == config.training.steps
                         if self.validation is not None and self.validation.due(state.step, last):
                             metrics |= self.validation.run()
@@ -145,6 +150,8 @@ class Trainer:
                         self._say(stopped_line(state.step, root, saving, stop.cause))
                         return False
         finally:
+            if self.driver is not None:
+                self.driver.close()
             self.metrics.close()
             self.run_lock.release()
         loss = float(metrics["loss"]) if "loss" in metrics else None
@@ -258,8 +265,8 @@ class Trainer:
         state = self.state
         values = {name: float(value) for name, value in metrics.items()}
         values.update(self.throughput.measure(state.step, self.start_step + 1))
-        if isinstance(self.objective, RolloutObjective):
-            values.update(self.rollout_clock.measure())
+        if self.driver is not None:
+            values.update(self.driver.clock.measure(self.driver.staleness > 0))
         values.update(self.phases.summary())
         values["memory_gib"] = max(peak_memory_gib(self.engine.device), self.phases.run_peak_gib)
         if self.moe_load:
@@ -280,67 +287,12 @@ class Trainer:
         self.metrics.log_image("moe/load", image, step)
 
     def _next_batches(self, batches: Iterator[Batch]) -> tuple[list[Batch], StepMetrics]:
-        """The next step's micro-batches, and the metrics of their rollout (over all ranks)
-        if any.
-
-        A ``RolloutObjective`` turns each micro-batch of prompts into a rollout every
-        ``updates_per_rollout`` steps and trains on that rollout until the next one. The
-        sampler of micro-batch ``j`` on data rank ``r`` is seeded by (seed, step,
-        ``j * dp + r``): the position of its rows in the step's global batch, since the ranks'
-        ``j``-th micro-batches together are the global ``j``-th one. So one process
-        accumulating one-row micro-batches draws what the data-parallel ranks draw, with or
-        without accumulation on them.
-        """
-        objective, state, engine = self.objective, self.state, self.engine
-        if not isinstance(objective, RolloutObjective):
+        """The next step's micro-batches; an RL objective's driver makes them from prompts
+        (``temper.objectives.driver``), with its rollout's metrics."""
+        if self.driver is None:
             return [next(batches) for _ in range(self.grad_accum)], {}
-        if state.rollout is None or state.step % objective.updates_per_rollout == 0:
-            prompts = [self._whole_prompts(batches) for _ in range(self.grad_accum)]
-            dp, rank = engine.dims.dp, engine.dims.dp_rank
-            offload = self.config.optimizer.offload_during_rollout
-            self.rollout_clock.start()
-            if offload:
-                engine.offload_optimizer()
-            try:  # in the loss's precision, so the first update's ratio is exactly 1
-                with engine.autocast(), self.phases("rollout"):
-                    results = [
-                        self._rollout(mb, batches, j * dp + rank) for j, mb in enumerate(prompts)
-                    ]
-            finally:
-                if offload:
-                    engine.restore_optimizer()
-                self.rollout_clock.stop()
-            metrics = combine_metrics([m for _, m in results], engine.device)
-            state.rollout = [batch for batch, _ in results], metrics
-        return state.rollout
-
-    def _rollout(self, prompts: Batch, batches: Iterator[Batch], index: int) -> Rollout:
-        """One micro-batch's rollout; with dynamic sampling, refilled from further prompt
-        micro-batches (see ``temper.objectives.dynamic_sampling``)."""
-        objective, model = self.objective, self.engine.model
-        if not isinstance(objective, DynamicSampling) or objective.sampling_draws == 1:
-            return objective.prepare(model, prompts, self._sampler(index))
-        return fill_rollout(
-            lambda mb, generator: objective.prepare(model, mb, generator),
-            prompts,
-            lambda: self._whole_prompts(batches),
-            lambda draw: self._sampler(index, draw),
-            objective.group_size,
-            objective.sampling_draws,
-        )
-
-    def _whole_prompts(self, batches: Iterator[Batch]) -> Batch:
-        """The next micro-batch of prompts on the device, whole on every SP rank: a rollout
-        decodes whole sequences."""
-        return {k: v.to(self.engine.device) for k, v in next(batches).items()}
-
-    def _sampler(self, index: int, draw: int = 0) -> torch.Generator:
-        """Micro-batch ``index``'s sampler; a dynamic-sampling refill ``draw`` > 0 gets its own."""
-        key = f"{self.config.training.seed}:{self.state.step}:{index}" + (
-            f":{draw}" if draw else ""
-        )
-        seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "little")
-        return torch.Generator(self.engine.device).manual_seed(seed)
+        with self.phases("rollout"):
+            return self.driver.next_batches(batches, self.state)
 
 
 def nonfinite_stop_message(step: int, values: str, skipped: list[int], budget: int) -> str:

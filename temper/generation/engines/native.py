@@ -16,9 +16,10 @@ from temper.generation.engines.base import SamplingParams
 
 
 class NativeEngine:
-    """``generate`` on ``model``, with its lockstep group (expert parallelism) and compiled
-    decode step if asked. The caller sets the model's mode and gathers its weights (a
-    rollout does both once for all its forwards)."""
+    """``generate`` on ``model`` in eval mode (restored after), with its lockstep group
+    (expert parallelism) and compiled decode step if asked. Under FSDP the caller may gather
+    the weights around more than the decoding (a rollout gathers once for all its
+    forwards)."""
 
     def __init__(
         self, model: nn.Module, lockstep_group: ProcessGroup | None = None, compile: bool = False
@@ -33,7 +34,22 @@ class NativeEngine:
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> Generation:
-        out = generate(
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self._generate(prompts, params, generator)
+        finally:
+            self.model.train(was_training)
+        out.finish_reasons = finish_reasons(out, params)
+        return out
+
+    def _generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Generation:
+        return generate(
             self.model,
             prompts,
             params.max_new_tokens,
@@ -46,8 +62,6 @@ class NativeEngine:
             lockstep_group=self.lockstep_group,
             compile=self.compile,
         )
-        out.finish_reasons = finish_reasons(out, params)
-        return out
 
     def update_weights(self, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> None:
         """Nothing to take: the model samples with the weights it trains."""
