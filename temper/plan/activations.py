@@ -13,7 +13,7 @@ does not split tokens evenly, and the plan is the busiest rank's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from unittest import mock
@@ -43,6 +43,21 @@ class BlockActivations:
     largest: int = 0
     """Its largest saved tensor: its backward makes gradients that size (SwiGLU's gate and
     up, say)."""
+    after_largest: int = 0
+    """Saved by the block's parts (direct children) after the one that saved ``largest``:
+    their backward ran and freed it before that part's (the MoE's before CPU MLA's softmax)."""
+    parts: list[int] = field(default_factory=list, repr=False)
+    """Bytes saved per part, in forward order; ``part`` is the one running."""
+    part: int = 0
+    largest_part: int = 0
+
+    def add(self, n: int) -> None:
+        while len(self.parts) <= self.part:
+            self.parts.append(0)
+        self.parts[self.part] += n
+        if n > self.largest:
+            self.largest, self.largest_part = n, self.part
+        self.after_largest = sum(self.parts[self.largest_part + 1 :])
 
 
 @dataclass
@@ -138,23 +153,31 @@ def fused_attention_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, devi
 
 
 class _Exchange(torch.autograd.Function):
-    """An all-to-all's shapes: ``rows`` [T, dim] in, ``n`` rows out (and back in backward);
+    """An all-to-all's shapes: ``x`` in, a tensor of ``shape`` out (and back in backward);
     like ``all_to_all_single_autograd`` it saves nothing."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, n: int) -> torch.Tensor:  # noqa: ANN001
-        ctx.rows = rows.shape[0]
-        return rows.new_empty(n, rows.shape[1])
+    def forward(ctx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:  # noqa: ANN001
+        ctx.shape = x.shape
+        return x.new_empty(shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
-        return grad.new_empty(ctx.rows, grad.shape[1]), None
+        return grad.new_empty(ctx.shape), None
+
+
+def _heads_for_sequence(t: torch.Tensor, sp: int) -> tuple[int, ...]:
+    """Ulysses' all-to-all: [b, h, s / sp, d] -> [b, h / sp, s, d] (at least one head:
+    fewer key-value heads than ranks are repeated)."""
+    b, h, s, d = t.shape
+    return (b, max(h // sp, 1), s * sp, d)
 
 
 class _Measure:
-    def __init__(self, model: nn.Module, device: str, imbalance: float) -> None:
+    def __init__(self, model: nn.Module, device: str, imbalance: float, sp: int) -> None:
         self.device = device
         self.imbalance = imbalance
+        self.sp = sp
         params = {p.untyped_storage()._cdata for p in model.parameters()}
         params |= {b.untyped_storage()._cdata for b in model.buffers()}
         self.saved_storages = _Storages(params)
@@ -166,14 +189,20 @@ class _Measure:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
     ) -> torch.Tensor:
         """Stands in for ``F.scaled_dot_product_attention`` ([b, h, s, d] operands): a fused
-        kernel's shapes where the device has one, else sdpa's math decomposition."""
+        kernel's shapes where the device has one, else sdpa's math decomposition; under
+        sequence parallelism on Ulysses' shapes (a rank's heads over the whole sequence, so
+        the math path's [s, s] scores are whole), the exchanges' outputs kept."""
+        io = sum(t.nbytes for t in (q, k, v)) + q.nbytes // q.shape[-1] * v.shape[-1]
+        self.activations.attention_io += io
+        shape = (*q.shape[:-1], v.shape[-1])
+        if self.sp > 1:
+            q, k, v = (self.exchange(t, _heads_for_sequence(t, self.sp)) for t in (q, k, v))
         if fused_attention_runs(q, k, v, self.device):
             out = _FlashAttentionShapes.apply(q, k, v)
         else:
             out = _SDPA(q, k, v, **kwargs)  # type: ignore[arg-type]
         self.add_kept(self.kept_storages.bytes_of(out))
-        self.activations.attention_io += sum(t.nbytes for t in (q, k, v, out))
-        return out
+        return self.exchange(out, shape) if self.sp > 1 else out
 
     def dispatch(
         self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor
@@ -182,14 +211,14 @@ class _Measure:
         times the rows it sends: the received rows, their copy sorted by expert and the
         expert activations scale with it; the exchanges' outputs count as kept, as the real
         all-to-alls' are under selective checkpointing."""
-        received = self.exchange(rows, round(self.imbalance * rows.shape[0]))
+        received = self.exchange(rows, (round(self.imbalance * rows.shape[0]), rows.shape[1]))
         order = torch.arange(received.shape[0], device=rows.device)
         out = experts(received[order], counts.cumsum(0, dtype=torch.int32))
         out = out.new_empty(out.shape).index_copy(0, order, out)
-        return self.exchange(out, rows.shape[0])
+        return self.exchange(out, tuple(rows.shape))
 
-    def exchange(self, rows: torch.Tensor, n: int) -> torch.Tensor:
-        out = _Exchange.apply(rows, n)
+    def exchange(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        out = _Exchange.apply(x, shape)
         self.add_kept(self.kept_storages.bytes_of(out))
         return out
 
@@ -203,7 +232,7 @@ class _Measure:
             self.activations.outside += n
         else:
             self.current.saved += n
-            self.current.largest = max(self.current.largest, n)
+            self.current.add(n)
         return t
 
     @contextmanager
@@ -216,8 +245,20 @@ class _Measure:
         def leave(module: nn.Module, args: tuple, output: object) -> None:
             self.current = None
 
+        def start_part(index: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple) -> None:
+                if self.current is not None:
+                    self.current.part = index
+
+            return hook
+
         handles = [b.register_forward_pre_hook(enter) for b in blocks]
         handles += [b.register_forward_hook(leave) for b in blocks]
+        handles += [
+            child.register_forward_pre_hook(start_part(i))
+            for b in blocks
+            for i, child in enumerate(b.children())
+        ]
         try:
             yield
         finally:
@@ -232,19 +273,21 @@ def measure_activations(
     tokens: tuple[int, int],
     device: str = "cuda",
     ep_imbalance: float | None = None,
+    sp: int = 1,
 ) -> Activations:
     """Run ``objective.loss`` once on ``model`` (on meta, unsharded, not checkpointed) over a
     micro-batch of ``tokens`` = (rows, sequence length) of one document each and count what
     it saves. Attention counts as a flash-style kernel's (``_FlashAttentionShapes``) where
     ``device`` runs one (``fused_attention_runs``), else as sdpa's math path. With
     ``ep_imbalance`` the experts sit behind an expert-parallel dispatch whose rank receives
-    that many times the rows it sends (``_Measure.dispatch``)."""
+    that many times the rows it sends (``_Measure.dispatch``); with ``sp`` attention runs on
+    Ulysses' shapes (``_Measure.attention``)."""
     configure_kernels(config.kernels, torch.device("meta"))
     model.attn_backend = "sdpa"
     rows, length = tokens
     ids = torch.zeros(rows, length, dtype=torch.long, device="meta")
     batch = {"input_ids": ids, "labels": ids}
-    measure = _Measure(model, device, ep_imbalance or 1.0)
+    measure = _Measure(model, device, ep_imbalance or 1.0, sp)
     if ep_imbalance is not None:
         for moe in model.modules():
             if isinstance(moe, MoE):

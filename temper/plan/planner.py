@@ -123,7 +123,7 @@ def plan_run(
         unsharded = unsharded.to(dtype)
     imbalance = ep_imbalance if dims.ep > 1 else None
     plan.activations = measure_activations(
-        config, unsharded, CausalLM(), plan.tokens, device, imbalance
+        config, unsharded, CausalLM(), plan.tokens, device, imbalance, dims.sp
     )
     block_grads = _block_param_bytes(unsharded, dims.fsdp)
     shards = list(params.values())
@@ -183,14 +183,16 @@ def _peak(
     mode = config.activation_checkpoint.mode
     held = acts.held(mode)
     # Backward from the last block down: its activations are freed as its gradients land;
-    # while it runs, two gradients the size of its largest saved tensor are alive.
+    # while it runs, two gradients the size of its largest saved tensor are alive, and what
+    # the block's later parts saved is already freed.
     live, grads, backward_peak = held, 0, held
     kept = _kept_per_block(acts, mode)
     for block, freed, grad in zip(
         reversed(acts.blocks), reversed(kept), reversed(block_grads), strict=True
     ):
         grads += grad
-        backward_peak = max(backward_peak, live + grads + 2 * block.largest)
+        peak = live + grads + 2 * block.largest - block.after_largest
+        backward_peak = max(backward_peak, peak)
         live -= freed
     backward = state.params + state.optimizer + gathered + backward_peak
     # The step holds every gradient (the embedding's and head's too); foreach AdamW (CPU)
