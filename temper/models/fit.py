@@ -58,7 +58,8 @@ def check_decoder_layout(args: Any, parallelism: Parallelism) -> None:
     if ep > 1 and n_experts % ep:
         raise ConfigError(f"parallelism.ep ({ep}) must divide the number of experts ({n_experts})")
     if sp > 1:
-        check_heads(args.n_heads, args.n_kv_heads, sp)
+        # MLA (DeepSeek V3) has no grouped keys and values: as many as query heads.
+        check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), sp)
         check_mtp(getattr(args, "mtp_depth", 0))
 
 
