@@ -1,10 +1,13 @@
 """The dry run's peak-memory estimate against the peak a real run measures, on CPU (gloo).
 
-    python -m bench.plan_memory                      # dense and MoE debug recipes, world 1, 2, 4
-    python -m bench.plan_memory --cases llama3_debug:1,qwen3_moe_debug:2 --seq-len 256
+    python -m bench.plan_memory    # each debug family x {fsdp, ep, sp} x checkpointing, world 2
+    python -m bench.plan_memory --cases llama3_debug:1,qwen3_moe_debug:2:ep --modes none,full
 
-For each case, that many gloo ranks (fresh processes, one thread each) train the recipe for
-three steps (the first creates the optimizer state) and measure two peaks:
+A case is ``recipe:world[:layout]``; the layout is ``fsdp`` (the default), ``ep`` (expert
+parallelism over every rank) or ``sp`` (Ulysses over every rank); each case runs once per
+activation checkpointing mode of ``--modes``. For each, that many gloo ranks (fresh
+processes, one thread each) train the recipe for three steps (the first creates the
+optimizer state) and measure two peaks:
 
 - the resident set's high-water mark during the second step minus the resident set before
   the Engine was built: what the run adds to the process, tensors and everything else
@@ -16,7 +19,9 @@ three steps (the first creates the optimizer state) and measure two peaks:
   buffers, optimizer state): tensor memory alone, which is what the plan estimates.
 
 ``temper.plan`` plans the same config for the same world on ``cpu`` in this process. The
-table shows rank 0 and the ratios.
+table shows the busiest rank (the largest live-tensor peak) against the plan's largest, and,
+for MoE models, the routing imbalance of the third step: the rows the busiest of ``world``
+expert-parallel ranks would receive over the mean, whatever the case's own layout.
 
 ``--device cuda`` (world 1 cases, in this process, bf16): the allocator's peak during the
 second step minus what it held before the Engine was built, against the plan on ``cuda``.
@@ -36,7 +41,18 @@ import torch
 from bench.train_step import _peak_rss_gib, _reset_peak, _rss_gib
 from temper.utils.compat import TorchDispatchMode
 
-MODULES = {"llama3": "temper.recipes.llama3", "qwen3": "temper.recipes.qwen3"}
+MODULES = ("llama3", "qwen3", "qwen3_5", "deepseek_v3", "gpt_oss")
+"""The recipe modules (under ``temper.recipes``) a case's recipe is looked up in."""
+
+CASES = ",".join(
+    f"{recipe}:2:{layout}"
+    for recipe in ("deepseek_v3_debug", "qwen3_moe_debug", "qwen3_5_moe_debug", "llama3_debug")
+    for layout in ("fsdp", "ep", "sp")
+    if layout != "ep" or recipe != "llama3_debug"
+)
+"""Each debug family (Qwen3.5-MoE for the Gated DeltaNet hybrids) under each layout."""
+
+LAYOUTS = {"fsdp": [], "ep": ["--parallelism.ep"], "sp": ["--parallelism.sp"]}
 
 
 def _argv(folder: str, seq_len: int, batch: int, extra: list[str]) -> list[str]:
@@ -56,7 +72,13 @@ def _argv(folder: str, seq_len: int, batch: int, extra: list[str]) -> list[str]:
 
 
 def _module(recipe: str) -> str:
-    return MODULES[recipe.split("_")[0]]
+    import importlib
+
+    for name in MODULES:
+        module = f"temper.recipes.{name}"
+        if hasattr(importlib.import_module(module), recipe):
+            return module
+    raise SystemExit(f"no recipe {recipe} in temper.recipes.{{{', '.join(MODULES)}}}")
 
 
 class LiveTensors(TorchDispatchMode):
@@ -91,9 +113,10 @@ class LiveTensors(TorchDispatchMode):
         return out
 
 
-def _measure(recipe: str, folder: str, argv: list[str]) -> tuple[float, float]:
-    """(resident-set peak of step 2, live-tensor peak of step 2 plus the tensors alive at its
-    start: weights, buffers and optimizer state), GiB."""
+def _measure(recipe: str, folder: str, argv: list[str]) -> tuple[float, float, torch.Tensor]:
+    """(resident-set peak of step 2, live-tensor peak of step 3 plus the tensors alive at its
+    start: weights, buffers and optimizer state, GiB; step 3's tokens per expert of this
+    rank's tokens [MoE layers, experts])."""
     from temper.config import load_config
     from temper.trainer.trainer import Trainer
 
@@ -111,7 +134,22 @@ def _measure(recipe: str, folder: str, argv: list[str]) -> tuple[float, float]:
     tracker = LiveTensors()
     with tracker:
         trainer.train_step([next(batches)])
-    return rss, (alive + tracker.peak) / 2**30
+    return rss, (alive + tracker.peak) / 2**30, _routed(model)
+
+
+def _routed(model: torch.nn.Module) -> torch.Tensor:
+    from temper.models.layers.moe import MoE
+
+    counts = [m.routing.tokens_per_expert for m in model.modules() if isinstance(m, MoE)]
+    return torch.stack(counts) if counts else torch.zeros(0, 0)
+
+
+def ep_imbalance(counts: torch.Tensor, ep: int) -> float:
+    """Rows the busiest of ``ep`` ranks receives over all MoE layers, over the mean: the
+    experts split in ``ep`` contiguous blocks (EP's Shard(0)), ``counts`` [layers, experts]
+    the global batch's."""
+    per_rank = counts.view(counts.shape[0], ep, -1).sum(dim=(0, 2)).double()
+    return float(per_rank.max() / per_rank.mean())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -137,13 +175,41 @@ def _measure_cuda(recipe: str, argv: list[str]) -> float:
     return peak
 
 
+def _case_argv(layout: str, world: int, mode: str) -> list[str]:
+    flags = [*LAYOUTS[layout], str(world)] if LAYOUTS[layout] else []
+    return [*flags, "--activation_checkpoint.mode", mode]
+
+
+def _run_case(recipe: str, world: int, folder: str, argv: list[str], device: str) -> str:
+    """One table row after the first three cells: planned, measured and their ratios."""
+    from harness import run_on_ranks
+
+    from temper.config import load_config
+    from temper.plan import plan_run
+
+    config = load_config(_module(recipe), recipe, argv, validate=False)
+    plan = plan_run(config, world, device)
+    if plan.errors:
+        raise SystemExit(f"{recipe}: {plan.errors}")
+    estimate = max(r.peak for r in plan.ranks) / 2**30
+    if device == "cuda":
+        rss = tensors = _measure_cuda(recipe, argv)
+        imbalance = "-"
+    else:
+        ranks = run_on_ranks(_measure, world, recipe, folder, argv, timeout=3600.0)
+        rss, tensors, _ = max(ranks, key=lambda r: r[1])
+        counts = sum(r[2] for r in ranks)
+        imbalance = f"{ep_imbalance(counts, world):.2f}" if counts.numel() else "-"
+    return (
+        f"{estimate:.3f} | {rss:.3f} | {estimate / rss:.2f} | {tensors:.3f} | "
+        f"{estimate / tensors:.2f} | {imbalance}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--cases",
-        default="llama3_debug:1,llama3_debug:2,llama3_debug:4,"
-        "qwen3_moe_debug:1,qwen3_moe_debug:2,qwen3_moe_debug:4",
-    )
+    parser.add_argument("--cases", default=CASES, help="recipe:world[:fsdp|ep|sp], comma-separated")
+    parser.add_argument("--modes", default="none,full,selective", help="checkpointing modes")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--extra", default="", help="more overrides for every case, one string")
@@ -151,39 +217,24 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
-    from harness import run_on_ranks
-
     import temper.engine  # noqa: F401
-    from temper.config import load_config
-    from temper.plan import plan_run
 
-    extra = args.extra.split()
     where = "fp32 CPU" if args.device == "cpu" else f"bf16 {torch.cuda.get_device_name()}"
     print(f"{args.batch} x {args.seq_len} tokens per rank, {where}, torch {torch.__version__}\n")
     print(
-        "| recipe | world | estimated peak (GiB) | resident-set peak (GiB) | estimate / it "
-        "| live-tensor peak (GiB) | estimate / it |"
+        "| recipe | layout | checkpointing | planned peak (GiB) | resident-set peak (GiB) "
+        "| planned / it | live-tensor peak (GiB) | planned / it | routing imbalance |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for case in args.cases.split(","):
-        recipe, world = case.split(":")
-        with tempfile.TemporaryDirectory() as folder:
-            argv = _argv(folder, args.seq_len, args.batch, extra)
-            config = load_config(_module(recipe), recipe, argv, validate=False)
-            plan = plan_run(config, int(world), args.device)
-            if plan.errors:
-                raise SystemExit(f"{case}: {plan.errors}")
-            estimate = plan.ranks[0].peak / 2**30
-            if args.device == "cuda":
-                measured = tensors = _measure_cuda(recipe, argv)
-            else:
-                ranks = run_on_ranks(_measure, int(world), recipe, folder, argv, timeout=3600.0)
-                measured, tensors = ranks[0]
-        print(
-            f"| {recipe} | {world} | {estimate:.3f} | {measured:.3f} | {estimate / measured:.2f} "
-            f"| {tensors:.3f} | {estimate / tensors:.2f} |",
-            flush=True,
-        )
+        recipe, world, layout = (case + ":fsdp").split(":")[:3]
+        for mode in args.modes.split(","):
+            with tempfile.TemporaryDirectory() as folder:
+                argv = _argv(folder, args.seq_len, args.batch, args.extra.split())
+                argv += _case_argv(layout, int(world), mode)
+                row = _run_case(recipe, int(world), folder, argv, args.device)
+            name = layout if int(world) > 1 else "one rank"
+            print(f"| {recipe} | {name} {world} | {mode} | {row} |", flush=True)
 
 
 if __name__ == "__main__":
