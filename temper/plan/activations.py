@@ -13,7 +13,7 @@ does not split tokens evenly, and the plan is the busiest rank's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from unittest import mock
@@ -46,18 +46,22 @@ class BlockActivations:
     after_largest: int = 0
     """Saved by the block's parts (direct children) after the one that saved ``largest``:
     their backward ran and freed it before that part's (the MoE's before CPU MLA's softmax)."""
-    parts: list[int] = field(default_factory=list, repr=False)
-    """Bytes saved per part, in forward order; ``part`` is the one running."""
+    parts: list[int] = field(default_factory=lambda: [0], repr=False)
+    """Bytes saved per part, in the order they ran (the block's own code before any child
+    first); ``part`` is the one running."""
     part: int = 0
     largest_part: int = 0
 
     def add(self, n: int) -> None:
-        while len(self.parts) <= self.part:
-            self.parts.append(0)
         self.parts[self.part] += n
         if n > self.largest:
             self.largest, self.largest_part = n, self.part
         self.after_largest = sum(self.parts[self.largest_part + 1 :])
+
+    def start_part(self) -> None:
+        """A direct child's forward begins: a new part, in execution order."""
+        self.part = len(self.parts)
+        self.parts.append(0)
 
 
 @dataclass
@@ -245,20 +249,13 @@ class _Measure:
         def leave(module: nn.Module, args: tuple, output: object) -> None:
             self.current = None
 
-        def start_part(index: int) -> Callable[..., None]:
-            def hook(module: nn.Module, args: tuple) -> None:
-                if self.current is not None:
-                    self.current.part = index
-
-            return hook
+        def start_part(module: nn.Module, args: tuple) -> None:
+            if self.current is not None:
+                self.current.start_part()
 
         handles = [b.register_forward_pre_hook(enter) for b in blocks]
         handles += [b.register_forward_hook(leave) for b in blocks]
-        handles += [
-            child.register_forward_pre_hook(start_part(i))
-            for b in blocks
-            for i, child in enumerate(b.children())
-        ]
+        handles += [c.register_forward_pre_hook(start_part) for b in blocks for c in b.children()]
         try:
             yield
         finally:
