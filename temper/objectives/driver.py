@@ -79,8 +79,9 @@ class RolloutDriver:
         self.dp_rank, self.dp = data_rank
         self.sampler = rollout_engine or build_rollout_engine(config, engine)
         self.native = isinstance(self.sampler, NativeEngine)
-        self.staleness = config.rollout.staleness if config.rollout.mode == "async" else 0
-        self._pool = ThreadPoolExecutor(1) if self.staleness else None
+        self.asynchronous = config.rollout.mode == "async"
+        self.staleness = config.rollout.staleness if self.asynchronous else 0
+        self._pool = ThreadPoolExecutor(1) if self.asynchronous else None
         self._pending: tuple[int, list[Batch], Future[list]] | None = None
         self.clock = RolloutClock(engine.device)
 
@@ -114,7 +115,7 @@ class RolloutDriver:
             self.engine.offload_optimizer()
         try:  # in the loss's precision, so the first update's ratio is exactly 1
             with self.engine.autocast():
-                if self.staleness:
+                if self.asynchronous:
                     results = self._async_rollout(batches, step)
                 else:
                     started = time.perf_counter()
@@ -132,15 +133,16 @@ class RolloutDriver:
     def _async_rollout(
         self, batches: Iterator[Batch], step: int
     ) -> list[tuple[Batch, dict[str, float]]]:
-        """This step's rollout, sampled on the thread since the last step (or now, on the
-        first step), and the next step's sampling started before scoring this one."""
+        """This step's rollout, sampled on the thread since the last step (or now: on the
+        first step, and always with staleness 0), and with staleness 1 the next step's
+        sampling started before scoring this one."""
         if self._pending is None or self._pending[0] != step:
             self._pending = self._submit(batches, step)
         _, prompts, sampled = self._pending
         started = time.perf_counter()
         drawn = sampled.result()
         self.clock.add("wait", time.perf_counter() - started)
-        self._pending = self._submit(batches, step + 1)
+        self._pending = self._submit(batches, step + 1) if self.staleness else None
         model = self.engine.model
         return [self.objective.score(model, p, s) for p, s in zip(prompts, drawn, strict=True)]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from temper.config import (
     register_objective_config,
 )
 from temper.data.batch import Batch
+from temper.generation.engines import RolloutEngine
 from temper.models.lora import adapters_disabled
 
 register_objective = register_objective_config
@@ -58,8 +59,27 @@ class RolloutObjective(Objective, Protocol):
     updates_per_rollout: int
 
     def prepare(
-        self, model: nn.Module, prompts: Batch, generator: torch.Generator
-    ) -> tuple[Batch, dict[str, float]]: ...
+        self,
+        model: nn.Module,
+        prompts: Batch,
+        generator: torch.Generator,
+        engine: RolloutEngine | None = None,
+    ) -> tuple[Batch, dict[str, float]]:
+        """Sample with ``engine`` (None: the model itself) and score: the training rows."""
+        ...
+
+    def sample(
+        self, model: nn.Module, prompts: Batch, generator: torch.Generator, engine: RolloutEngine
+    ) -> Any:
+        """``prepare``'s sampling alone, touching no model unless the engine is the model:
+        asynchronous rollouts run it on a thread while the model trains."""
+        ...
+
+    def score(
+        self, model: nn.Module, prompts: Batch, sampled: Any
+    ) -> tuple[Batch, dict[str, float]]:
+        """``prepare``'s scoring of what ``sample`` returned."""
+        ...
 
     def empty_rollout(self, model: nn.Module, prompts: int, width: int) -> Batch:
         """Zeros shaped like ``prepare``'s batch of ``model`` for ``prompts`` prompts, its rows

@@ -266,7 +266,7 @@ class Trainer:
         values = {name: float(value) for name, value in metrics.items()}
         values.update(self.throughput.measure(state.step, self.start_step + 1))
         if self.driver is not None:
-            values.update(self.driver.clock.measure(self.driver.staleness > 0))
+            values.update(self.driver.clock.measure(self.driver.asynchronous))
         values.update(self.phases.summary())
         values["memory_gib"] = max(peak_memory_gib(self.engine.device), self.phases.run_peak_gib)
         if self.moe_load:
