@@ -27,11 +27,13 @@ from temper.models.registry import ModelSpec, all_model_specs, replace_args, spe
 from temper.models.safetensors_io import (
     DEFAULT_SHARD_BYTES,
     SafetensorsFolder,
+    WeightError,
     describe,
     read_json,
     write_safetensors,
 )
 from temper.utils.compat import compute_local_shape_and_global_offset
+from temper.utils.paths import inside
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
 def read_hf_args(folder: str | os.PathLike[str]) -> tuple[ModelSpec, Any]:
     """The family and ModelArgs described by a folder's config.json, fitted to the tensors
     it holds (``HFAdapter.fit_to_folder``)."""
-    path = Path(folder) / "config.json"
+    path = inside(folder, "config.json")
     hf_config = read_json(path, "HF model config")
     spec = find_hf_family(hf_config, path)
     try:
@@ -139,10 +141,12 @@ def materialize(
 def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """Fill a materialized model (plain or DTensor-sharded) from an HF folder.
 
-    Every missing and every mis-shaped tensor is named in one error before anything
-    is copied. A sharded parameter reads only its own rows of stacked experts. A folder whose
-    config.json says ``quant_method: mxfp4`` (gpt-oss releases) has its MXFP4 tensors
-    dequantized as they are read.
+    Every missing, mis-shaped and integer-typed tensor is named in one error before anything
+    is copied (`check_hf_weights`), and a tensor holding NaN or inf is refused as it is read
+    (WeightError). Floating tensors are cast to the parameter's dtype as they are (a bf16
+    folder into an fp32 model). A sharded parameter reads only its own rows of stacked
+    experts. A folder whose config.json says ``quant_method: mxfp4`` (gpt-oss releases) has
+    its MXFP4 tensors dequantized as they are read.
     """
     rules, tensors = _checked_sources(model, folder)
     params = named_tensors(model)
@@ -169,30 +173,43 @@ def hf_weight_readers(
     return {name: reader(param) for name, param in params.items() if id(param) in rule_of}
 
 
+def check_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
+    """Whether the folder's tensors fit `model` (meta will do), from the shards' headers only:
+    what the pre-flight checks before launch. WeightError naming every missing, mis-shaped
+    and integer-typed tensor; UnsafePath for a file outside the folder."""
+    _checked_sources(model, folder)
+
+
 def _checked_sources(
     model: nn.Module, folder: str | os.PathLike[str]
 ) -> tuple[list[KeyRule], SafetensorsFolder | Mxfp4Folder]:
-    """The model's rules and the folder's tensors, every missing and mis-shaped tensor named
-    in one error."""
+    """The model's rules and the folder's tensors, every missing, mis-shaped and integer-typed
+    tensor (for a floating parameter: an integer cast to float is never a weight) named in one
+    error."""
     tensors = open_tensors(folder)
     rules = hf_rules(model)
     params = named_tensors(model)
-    missing, wrong = [], []
+    missing, wrong, typed = [], [], []
     for rule in rules:
-        expected = tuple(params[rule.native].shape)
+        param = params[rule.native]
+        expected = tuple(param.shape)
         part = expected[1:] if len(rule.hf) > 1 else expected
         for key in rule.hf:
             if key not in tensors:
                 missing.append(key)
             elif tensors.shape(key) != part:
                 wrong.append(f"{key} has shape {tensors.shape(key)}, expected {part}")
-    if missing or wrong:
-        problems = []
-        if missing:
-            problems.append(f"missing tensors: {describe(missing)}")
-        if wrong:
-            problems.append(f"mis-shaped tensors: {describe(wrong)}")
-        raise ValueError(f"{folder}: does not fit {type(model).__name__}: " + "; ".join(problems))
+            elif param.is_floating_point() and not tensors.dtype(key).is_floating_point:
+                typed.append(f"{key} is {str(tensors.dtype(key)).removeprefix('torch.')}")
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {describe(missing)}")
+    if wrong:
+        problems.append(f"mis-shaped tensors: {describe(wrong)}")
+    if typed:
+        problems.append(f"non-floating tensors for floating parameters: {describe(typed)}")
+    if problems:
+        raise WeightError(f"{folder}: does not fit {type(model).__name__}: " + "; ".join(problems))
     return rules, tensors
 
 
@@ -200,7 +217,7 @@ def open_tensors(folder: str | os.PathLike[str]) -> SafetensorsFolder | Mxfp4Fol
     """The folder's tensors by name, MXFP4 pairs read as their dequantized tensor when its
     config.json declares that quantization."""
     tensors = SafetensorsFolder(folder)
-    config = Path(folder) / "config.json"
+    config = inside(folder, "config.json")
     if not config.is_file():
         return tensors
     quantization = read_json(config, "HF model config").get("quantization_config") or {}

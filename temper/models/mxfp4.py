@@ -16,7 +16,7 @@ import itertools
 
 import torch
 
-from temper.models.safetensors_io import SafetensorsFolder
+from temper.models.safetensors_io import SafetensorsFolder, check_finite
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """The e2m1 magnitudes of codes 0-7; codes 8-15 are their negatives (the top bit is the sign)."""
@@ -75,9 +75,15 @@ class Mxfp4Folder:
         *prefix, rows, groups, pair_bytes = self.tensors.shape(key + BLOCKS)
         return (*prefix, groups * pair_bytes * 2, rows)
 
+    def dtype(self, key: str) -> torch.dtype:
+        return torch.float32 if key in self.packed else self.tensors.dtype(key)
+
     def read(self, key: str, rows: slice | None = None) -> torch.Tensor:
         if key not in self.packed:
             return self.tensors.read(key, rows)
-        return dequantize(
+        value = dequantize(
             self.tensors.read(key + BLOCKS, rows), self.tensors.read(key + SCALES, rows)
         )
+        # A scale of 255 (e8m0's NaN) dequantizes to an infinity.
+        check_finite(value, f"{self.tensors.folder}: tensor {key + BLOCKS!r} (MXFP4)")
+        return value
