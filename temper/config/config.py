@@ -183,6 +183,15 @@ class Data:
     chat_template: str | None = None
     """sft/preference: a Jinja chat template file; None = the tokenizer folder's, else the
     built-in template of the built-in tokenizer."""
+    template_timeout_s: float = 5.0
+    """Seconds one render of the chat template may run (it comes with a model folder and is
+    code: one that loops is stopped, in the main thread)."""
+    max_template_chars: int = 32 * 2**20
+    """Characters one render of the chat template may write, and any one repetition or
+    concatenation inside it may make (checked before the string is built)."""
+    max_record_bytes: int = 16 * 2**20
+    """The longest JSONL record (one line) read, in bytes; a longer one is refused, naming its
+    file and line, before it is parsed."""
     train_on_prompt: bool = False
     """sft: also train on system/user tokens, not only the assistant's."""
     pack: bool = True

@@ -16,7 +16,13 @@ tokenized once and the tokens inside the marked spans train.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+import re
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -24,11 +30,16 @@ from typing import Any
 
 import jinja2
 from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import Extension
 from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from temper.config import Data
+from temper.data.sources.base import RecordError
+from temper.data.sources.jsonl import record_too_long
 from temper.data.tokenizer import Tokenizer
+from temper.utils.paths import inside
 
 ROLES = ("system", "user", "assistant")
 
@@ -43,8 +54,27 @@ BUILTIN_TEMPLATE = (
 Message = dict[str, str]
 
 
-class RecordError(ValueError):
-    """A data record is malformed; the message names the file, the line and the problem."""
+class TemplateError(ValueError):
+    """A chat template that fails to render: a syntax error, an operation the sandbox refuses,
+    a render past ``data.template_timeout_s`` or larger than ``data.max_template_chars``."""
+
+
+@dataclass(frozen=True)
+class TemplateLimits:
+    """Bounds of one render of a chat template, which comes with a model folder and is code:
+    its time (stopped by SIGALRM in the main thread; elsewhere unbounded, since only the
+    main thread receives signals) and the characters it writes, or any one repetition or
+    concatenation inside it makes (checked before the string exists)."""
+
+    timeout_s: float = Data.template_timeout_s
+    max_chars: int = Data.max_template_chars
+
+    @classmethod
+    def of(cls, data: Data) -> TemplateLimits:
+        return cls(data.template_timeout_s, data.max_template_chars)
+
+
+DEFAULT_LIMITS = TemplateLimits()
 
 
 SPAN_START, SPAN_END = "\ue000", "\ue001"
@@ -67,13 +97,68 @@ class GenerationSpans(Extension):
         return SPAN_START + caller() + SPAN_END
 
 
+class _BoundedConcat(CodeGenerator):
+    """Compiles ``a ~ b`` to the environment's size-checked join (jinja's own joins unchecked)."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.bounded_join((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with every operator that can build a large value in one step (``*``,
+    ``**``, ``+``, ``~``) refused before it builds one over ``max_chars``: ``'a' * 2000000000``
+    fails at once instead of allocating gigabytes."""
+
+    intercepted_binops = frozenset({"*", "**", "+"})
+    code_generator_class = _BoundedConcat
+
+    def __init__(self, max_chars: int, **options: Any) -> None:
+        super().__init__(**options)
+        self.max_chars = max_chars
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        size = _result_size(operator, left, right)
+        if size > self.max_chars:
+            raise SecurityError(
+                f"{left!r:.20} {operator} {right!r:.20} would make about {size} characters or "
+                f"items, over data.max_template_chars ({self.max_chars})"
+            )
+        return super().call_binop(context, operator, left, right)
+
+    def bounded_join(self, pieces: Sequence[Any]) -> str:
+        texts = [str(piece) for piece in pieces]
+        if sum(map(len, texts)) > self.max_chars:
+            raise SecurityError(f"a '~' would make over data.max_template_chars ({self.max_chars})")
+        return "".join(texts)
+
+
+def _result_size(operator: str, left: Any, right: Any) -> float:
+    """About how large ``left <operator> right`` would be: a sequence's length, a number's
+    digits; 0 for what stays small."""
+    sized = (str, list, tuple)
+    if operator == "*" and isinstance(right, sized) and isinstance(left, int):
+        left, right = right, left
+    if operator == "*" and isinstance(left, sized) and isinstance(right, int):
+        return len(left) * right
+    if operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+        return len(left) + len(right)
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+        return right * math.log10(abs(left))
+    return 0
+
+
 def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
 @cache
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+def _compile(template: str, max_chars: int) -> jinja2.Template:
+    env = _BoundedSandbox(
+        max_chars,
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols", GenerationSpans],
@@ -84,16 +169,72 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """TemplateError in the main thread once ``seconds`` have passed (a template that loops);
+    a timer armed before (by someone else) is restored, less the time spent here."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TemplateError(
+            f"the chat template ran past data.template_timeout_s ({seconds:g} s); stopped"
+        )
+
+    handler = signal.signal(signal.SIGALRM, expire)
+    earlier, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        left, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, handler)
+        if earlier:
+            signal.setitimer(signal.ITIMER_REAL, max(earlier - (seconds - left), 1e-6), interval)
+
+
+def _render(template: str, limits: TemplateLimits, variables: dict[str, Any]) -> str:
+    """The template's output, within ``limits``; TemplateError for any failure: a template is
+    code, and whatever it raises (SecurityError, UndefinedError, ZeroDivisionError, ...) is a
+    bad input, said in one line."""
+    pieces, size = [], 0
+    try:
+        with _deadline(limits.timeout_s):
+            for piece in _compile(template, limits.max_chars).generate(**variables):
+                size += len(piece)
+                if size > limits.max_chars:
+                    raise TemplateError(
+                        f"the chat template wrote over data.max_template_chars "
+                        f"({limits.max_chars}) characters; stopped"
+                    )
+                pieces.append(piece)
+    except TemplateError:
+        raise
+    except Exception as error:
+        raise TemplateError(f"the chat template failed: {type(error).__name__}: {error}") from None
+    return "".join(pieces)
+
+
 def render_chat(
-    template: str, messages: Sequence[Message], add_generation_prompt: bool = False, **extra: Any
+    template: str,
+    messages: Sequence[Message],
+    add_generation_prompt: bool = False,
+    *,
+    limits: TemplateLimits = DEFAULT_LIMITS,
+    **extra: Any,
 ) -> str:
     """The conversation as text, like ``apply_chat_template(..., tokenize=False)``; ``extra``
     are more template variables (a tokenizer's ``special_tokens``)."""
-    return render_spans(template, messages, add_generation_prompt, **extra)[0]
+    return render_spans(template, messages, add_generation_prompt, limits=limits, **extra)[0]
 
 
 def render_spans(
-    template: str, messages: Sequence[Message], add_generation_prompt: bool = False, **extra: Any
+    template: str,
+    messages: Sequence[Message],
+    add_generation_prompt: bool = False,
+    *,
+    limits: TemplateLimits = DEFAULT_LIMITS,
+    **extra: Any,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans [start, end) of its ``{% generation %}``
     blocks (none when the template has no such block)."""
@@ -101,35 +242,39 @@ def render_spans(
         if SPAN_START in message["content"] or SPAN_END in message["content"]:
             raise ValueError("a message holds a private-use character U+E000/U+E001")
     variables = {"tools": None, "documents": None, **extra}
-    marked = _compile(template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
-    )
-    text, spans, start = "", [], 0
-    for char in marked:
-        if char == SPAN_START:
-            start = len(text)
-        elif char == SPAN_END:
-            spans.append((start, len(text)))
+    variables |= {"messages": list(messages), "add_generation_prompt": add_generation_prompt}
+    marked = _render(template, limits, variables)
+    texts, spans, length, start = [], [], 0, 0
+    for part in re.split(f"({SPAN_START}|{SPAN_END})", marked):
+        if part == SPAN_START:
+            start = length
+        elif part == SPAN_END:
+            spans.append((start, length))
         else:
-            text += char
-    return text, spans
+            texts.append(part)
+            length += len(part)
+    return "".join(texts), spans
 
 
 def load_chat_template(path: str | None, tokenizer_folder: str | None) -> str:
     """A template file (``path``), else the tokenizer folder's, else the built-in one.
 
     A folder's template is ``chat_template.jinja`` or ``tokenizer_config.json``'s
-    ``chat_template`` field, where ``transformers`` keeps it.
+    ``chat_template`` field, where ``transformers`` keeps it; either must lie inside the
+    folder (UnsafePath for a symlink leading out).
     """
     if path is not None:
         return Path(path).read_text()
     folder = Path(tokenizer_folder) if tokenizer_folder is not None else None
     if folder is not None and folder.is_dir():
         if (folder / "chat_template.jinja").is_file():
-            return (folder / "chat_template.jinja").read_text()
-        config_path = folder / "tokenizer_config.json"
-        if config_path.is_file():
-            template = json.loads(config_path.read_text()).get("chat_template")
+            return inside(folder, "chat_template.jinja").read_text()
+        if (folder / "tokenizer_config.json").is_file():
+            config_path = inside(folder, "tokenizer_config.json")
+            try:
+                template = json.loads(config_path.read_text()).get("chat_template")
+            except (ValueError, AttributeError):
+                raise ValueError(f"{config_path}: not a JSON object") from None
             if isinstance(template, str):
                 return template
         raise ValueError(
@@ -144,13 +289,15 @@ def tokenize_chat(
     template: str,
     messages: Sequence[Message],
     train_on_prompt: bool = False,
+    limits: TemplateLimits = DEFAULT_LIMITS,
 ) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and, per token, whether it trains.
 
     Raises ValueError when the template does not render a conversation as the
     concatenation of its turns (the assistant spans could not be found).
     """
-    full, spans = render_spans(template, messages, **tokenizer.special_tokens)
+    special = tokenizer.special_tokens
+    full, spans = render_spans(template, messages, limits=limits, **special)
     if spans:
         ids, offsets = tokenizer.encode_with_offsets(full)
         trains = [
@@ -163,8 +310,8 @@ def tokenize_chat(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render_chat(template, messages[:i], True, **tokenizer.special_tokens)
-        through = render_chat(template, messages[: i + 1], **tokenizer.special_tokens)
+        prompt = render_chat(template, messages[:i], True, limits=limits, **special)
+        through = render_chat(template, messages[: i + 1], limits=limits, **special)
         if not (prompt.startswith(done) and through.startswith(prompt)):
             raise ValueError(
                 "the chat template does not render a conversation as a prefix of the longer "
@@ -214,20 +361,25 @@ def check_messages(value: Any, where: str, field: str = "messages") -> list[Mess
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def read_jsonl(path: str, limit: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+def read_jsonl(
+    path: str, limit: int | None = None, max_bytes: int = Data.max_record_bytes
+) -> list[tuple[str, dict[str, Any]]]:
     """The records of a JSONL file (the first ``limit`` when given), each with its
-    ``file:line`` for error messages."""
+    ``file:line`` for error messages. A line longer than ``max_bytes`` is refused as it is
+    read, before it is parsed (``data.max_record_bytes``)."""
     records: list[tuple[str, dict[str, Any]]] = []
-    with Path(path).open(encoding="utf-8") as file:
-        for lineno, line in enumerate(file, start=1):
+    with Path(path).open("rb") as file:
+        for lineno, line in enumerate(iter(lambda: file.readline(max_bytes + 1), b""), start=1):
             if limit is not None and len(records) == limit:
                 break
+            where = f"{path}:{lineno}"
+            if len(line.removesuffix(b"\n")) > max_bytes:
+                raise RecordError(f"{where}: {record_too_long(max_bytes)}")
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
-            except ValueError as error:
+            except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
                 raise RecordError(f"{where}: invalid JSON ({error})") from None
             if not isinstance(record, dict):
                 raise RecordError(f"{where}: expected a JSON object, got {type(record).__name__}")

@@ -15,8 +15,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from temper.config import Config, ConfigError, Data, DataSource, register_rule
-from temper.data.chat import check_messages, load_chat_template, render_chat
+from temper.config import Config, ConfigError, Data, DataSource, check_positive, register_rule
+from temper.data.chat import TemplateLimits, check_messages, load_chat_template, render_chat
 from temper.data.multimodal import (
     build_image_dataset,
     collate,
@@ -27,6 +27,7 @@ from temper.data.preference import PreferenceFormat
 from temper.data.prompts import PromptFormat, record_prompt
 from temper.data.sft import SFTFormat
 from temper.data.sources import RenamedSource, SliceSource, Source, SyntheticSource, open_source
+from temper.data.sources.base import RecordError
 from temper.data.stream import Format, LaneStream, check_fields
 from temper.data.tasks import task_source
 from temper.data.text import TextFormat
@@ -151,9 +152,15 @@ def build_text_loader(
     return BatchLoader(dataset, batch_size)
 
 
-def _open(path: str, text_field: str, fields: dict[str, str], tokenizer: Tokenizer) -> Source:
+def _open(
+    path: str,
+    text_field: str,
+    fields: dict[str, str],
+    tokenizer: Tokenizer,
+    max_record_bytes: int = Data.max_record_bytes,
+) -> Source:
     fields = {"text": text_field, **fields}
-    source = open_source(path, fields["text"], tokenizer.vocab_size)
+    source = open_source(path, fields["text"], tokenizer.vocab_size, max_record_bytes)
     rename = {name: column for name, column in fields.items() if name != column}
     return RenamedSource(source, rename) if rename else source
 
@@ -186,7 +193,7 @@ def _sources(config: Config, tokenizer: Tokenizer, split: str) -> Sources:
     data, validation, seed = config.data, config.validation, config.training.seed
     if split == "validation" and validation.path is not None:
         try:
-            source = _open(validation.path, data.text_field, {}, tokenizer)
+            source = _open(validation.path, data.text_field, {}, tokenizer, data.max_record_bytes)
         except (OSError, ValueError) as error:
             raise type(error)(f"validation.path {validation.path}: {error}") from None
         return Sources([source], [1.0], ["validation"], [f"validation.path {validation.path}"])
@@ -201,7 +208,9 @@ def _sources(config: Config, tokenizer: Tokenizer, split: str) -> Sources:
     found = Sources([], [], [], [])
     for flag, entry in entries:
         try:
-            source = _open(entry.path, data.text_field, entry.fields, tokenizer)
+            source = _open(
+                entry.path, data.text_field, entry.fields, tokenizer, data.max_record_bytes
+            )
         except (OSError, ValueError) as error:
             raise type(error)(f"{flag} {entry.path}: {error}") from None
         if validation.fraction > 0:
@@ -227,6 +236,7 @@ def build_format(config: Config, tokenizer: Tokenizer) -> Format:
     if data.format == "text":
         return TextFormat(tokenizer, seq_len, data.isolate_documents)
     template = load_chat_template(data.chat_template, data.tokenizer_path or config.model.hf_path)
+    limits = TemplateLimits.of(data)
     if data.format == "sft":
         return SFTFormat(
             tokenizer,
@@ -235,10 +245,12 @@ def build_format(config: Config, tokenizer: Tokenizer) -> Format:
             train_on_prompt=data.train_on_prompt,
             pack=data.pack,
             policy=data.max_length_policy,
+            limits=limits,
         )
     if data.format == "preference":
-        return PreferenceFormat(tokenizer, template, seq_len, data.max_length_policy)
-    return PromptFormat(tokenizer, template, seq_len - config.objective.completion_tokens())
+        return PreferenceFormat(tokenizer, template, seq_len, data.max_length_policy, limits)
+    width = seq_len - config.objective.completion_tokens()
+    return PromptFormat(tokenizer, template, width, limits)
 
 
 def rows_per_step(config: Config, dp_world: int) -> int:
@@ -306,7 +318,9 @@ def is_image_data(data: Data) -> bool:
         return data.builtin_images
     # A missing or malformed file is not taken for image data: the source check names it.
     try:
-        return Path(data.path).is_file() and has_image_parts(data.path)
+        return Path(data.path).is_file() and has_image_parts(
+            data.path, max_bytes=data.max_record_bytes
+        )
     except ValueError:
         return False
 
@@ -322,9 +336,15 @@ def check_data(config: Config, tokenizer: Tokenizer, limit: int) -> None:
     """Open every source (schemas, token ids) and encode its first ``limit`` records: what a
     run would fail on, checked cheaply before it starts. Errors name the flag and the file
     (and line or row)."""
-    if is_image_data(config.data):
-        if config.data.path is not None:
-            read_image_records(config.data.path, limit)
+    data = config.data
+    if is_image_data(data):
+        if data.path is not None:
+            records = read_image_records(data.path, limit, data.max_record_bytes)
+            roles = {message["role"] for _, messages, _ in records for message in messages}
+            if "assistant" not in roles and not data.train_on_prompt:
+                raise RecordError(
+                    f"data.path {data.path}: {data.path}: {nothing_to_train(len(records))}"
+                )
         return
     fmt = build_format(config, tokenizer)
     splits = ["train"] + (["validation"] if config.validation.interval else [])
@@ -333,10 +353,19 @@ def check_data(config: Config, tokenizer: Tokenizer, limit: int) -> None:
         for source, flag in zip(found.sources, found.flags, strict=True):
             try:
                 check_fields(source, fmt)
-                for index in range(min(limit, source.num_records or limit)):
-                    fmt.encode(source.record(index), source.where(index))
+                count = min(limit, source.num_records or limit)
+                kept = [fmt.encode(source.record(i), source.where(i))[0] for i in range(count)]
+                if all(sample is None for sample in kept):
+                    raise RecordError(f"{source.name}: {nothing_to_train(count)}")
             except ValueError as error:
                 raise ValueError(f"{flag}: {error}") from None
+
+
+def nothing_to_train(count: int) -> str:
+    return (
+        f"nothing to train on: none of the {count} records checked keeps a trained token (no "
+        "assistant turn, every label masked, or too long for training.seq_len)"
+    )
 
 
 @register_rule
@@ -350,6 +379,8 @@ def check_data_config(config: Config, world_size: int) -> None:
             raise ConfigError(f"data.sources.{i}.path is empty")
         if not source.weight > 0:
             raise ConfigError(f"data.sources.{i}.weight must be > 0, got {source.weight}")
+    limits = ("data.template_timeout_s", "data.max_template_chars", "data.max_record_bytes")
+    check_positive(config, *limits)
     if data.isolate_documents and data.format != "text":
         raise ConfigError(
             "data.isolate_documents is for data.format text (sft packing always isolates)"
@@ -404,6 +435,7 @@ def validation_prompts(
                 raise ValueError(f"{where}: the last message is not an assistant's answer")
             record = {"prompt": messages, "answer": last["content"]}
         messages, answer = record_prompt(record, where)
-        text = render_chat(template, messages, True, **tokenizer.special_tokens)
+        limits = TemplateLimits.of(data)
+        text = render_chat(template, messages, True, limits=limits, **tokenizer.special_tokens)
         prompts.append((tokenizer.encode(text), answer))
     return prompts

@@ -16,6 +16,7 @@ sample, as ``position_ids`` do. A batch concatenates its rows' images (``collate
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +29,10 @@ from temper.config import Data
 from temper.data.batch import IGNORE_INDEX, MEDIA_KEYS
 from temper.data.chat import (
     BUILTIN_TEMPLATE,
+    DEFAULT_LIMITS,
     ROLES,
     RecordError,
+    TemplateLimits,
     load_chat_template,
     read_jsonl,
     tokenize_chat,
@@ -40,6 +43,7 @@ from temper.data.sft import Policy, pad_id, sample_labels
 from temper.data.shapes import shape_records
 from temper.data.tokenizer import Tokenizer
 from temper.data.vision_tokens import IMAGE_PLACEHOLDER, VisionTokenIds, vision_token_ids
+from temper.utils.paths import inside
 
 if TYPE_CHECKING:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -89,7 +93,9 @@ def builtin_image_processor(patch_size: int = 16, merge_size: int = 2) -> Qwen2V
 
 
 def load_image_processor(folder: str | None) -> Qwen2VLImageProcessorPil:
-    """The folder's image processor (its preprocessor_config.json), else the built-in one."""
+    """The folder's image processor (its preprocessor_config.json, which must lie inside the
+    folder), else the built-in one. The processor is built from that one file's settings, so
+    transformers resolves no other path of the folder."""
     if folder is None or not (Path(folder) / "preprocessor_config.json").is_file():
         if folder is not None and Path(folder).is_dir():
             raise FileNotFoundError(
@@ -100,7 +106,14 @@ def load_image_processor(folder: str | None) -> Qwen2VLImageProcessorPil:
         Qwen2VLImageProcessorPil,
     )
 
-    return Qwen2VLImageProcessorPil.from_pretrained(folder)
+    path = inside(folder, "preprocessor_config.json")
+    try:
+        settings = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path}: invalid JSON ({error})") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return Qwen2VLImageProcessorPil.from_dict(settings)
 
 
 def open_rgb(path: Path) -> Image.Image:
@@ -154,9 +167,9 @@ def check_image_messages(
     return messages, images
 
 
-def has_image_parts(path: str, limit: int = 64) -> bool:
+def has_image_parts(path: str, limit: int = 64, max_bytes: int = Data.max_record_bytes) -> bool:
     """Whether the first records of a chat JSONL file hold list contents (image data)."""
-    for _, record in read_jsonl(path, limit):
+    for _, record in read_jsonl(path, limit, max_bytes):
         for message in record.get("messages") or []:
             if isinstance(message, dict) and isinstance(message.get("content"), list):
                 return True
@@ -164,13 +177,13 @@ def has_image_parts(path: str, limit: int = 64) -> bool:
 
 
 def read_image_records(
-    path: str, limit: int | None = None
+    path: str, limit: int | None = None, max_bytes: int = Data.max_record_bytes
 ) -> list[tuple[str, list[dict[str, Any]], list[ImageLoader]]]:
     """(file:line, messages, image loaders) of every record; each image is checked now."""
     folder = Path(path).parent
     return [
         (where, *check_image_messages(record.get("messages"), where, folder))
-        for where, record in read_jsonl(path, limit)
+        for where, record in read_jsonl(path, limit, max_bytes)
     ]
 
 
@@ -204,13 +217,14 @@ def tokenize_image_chat(
     merge_size: int,
     where: str,
     train_on_prompt: bool = False,
+    limits: TemplateLimits = DEFAULT_LIMITS,
 ) -> tuple[list[int], list[bool]]:
     """Token ids and per-token training flags, the image placeholders expanded to
     ``grids``' token counts; image tokens never train."""
     tokens = vision_token_ids(tokenizer)
     sizes = (grids.prod(-1) // merge_size**2).tolist()
     encoder = _ExpandingEncoder(tokenizer, tokens, sizes)
-    ids, trains = tokenize_chat(encoder, template, messages, train_on_prompt)  # type: ignore[arg-type]
+    ids, trains = tokenize_chat(encoder, template, messages, train_on_prompt, limits)  # type: ignore[arg-type]
     if encoder.used != len(sizes):
         raise RecordError(
             f"{where}: {len(sizes)} image parts but the chat template wrote {encoder.used} "
@@ -236,13 +250,21 @@ def image_samples(
     template: str,
     processor: Qwen2VLImageProcessorPil,
     train_on_prompt: bool = False,
+    limits: TemplateLimits = DEFAULT_LIMITS,
 ) -> list[ImageSample]:
     """Each record tokenized with its images' token counts (the processor sizes the grids)."""
     samples = []
     for where, messages, images in records:
         _, grids = process_images(processor, [load() for load in images])
         ids, trains = tokenize_image_chat(
-            tokenizer, template, messages, grids, processor.merge_size, where, train_on_prompt
+            tokenizer,
+            template,
+            messages,
+            grids,
+            processor.merge_size,
+            where,
+            train_on_prompt,
+            limits,
         )
         samples.append(ImageSample(ids, trains, tuple(images), grids))
     return samples
@@ -350,11 +372,12 @@ def build_image_dataset(
         template = BUILTIN_VL_TEMPLATE
     processor = load_image_processor(folder)
     records = (
-        read_image_records(data.path)
+        read_image_records(data.path, max_bytes=data.max_record_bytes)
         if data.path is not None
         else shape_records(seed, "train", data.builtin_examples)
     )
-    samples = image_samples(records, tokenizer, template, processor, data.train_on_prompt)
+    limits = TemplateLimits.of(data)
+    samples = image_samples(records, tokenizer, template, processor, data.train_on_prompt, limits)
     return image_sft_dataset(
         samples,
         tokenizer,

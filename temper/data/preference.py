@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 from temper.data.batch import IGNORE_INDEX
-from temper.data.chat import RecordError, check_messages, read_jsonl, tokenize_chat
+from temper.data.chat import (
+    DEFAULT_LIMITS,
+    RecordError,
+    TemplateLimits,
+    check_messages,
+    read_jsonl,
+    tokenize_chat,
+)
 from temper.data.packing import RowPacker
 from temper.data.sft import Policy, Row, Sample, fit, pad_id, sample_labels
 from temper.data.sources import ListSource, Record
@@ -73,18 +80,26 @@ class PreferenceFormat:
     shuffle = True
 
     def __init__(
-        self, tokenizer: Tokenizer, template: str, seq_len: int, policy: Policy = "truncate"
+        self,
+        tokenizer: Tokenizer,
+        template: str,
+        seq_len: int,
+        policy: Policy = "truncate",
+        limits: TemplateLimits = DEFAULT_LIMITS,
     ) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.seq_len = seq_len
         self.policy = policy
+        self.limits = limits
 
     def encode(self, record: Record, where: str) -> tuple[Any, str | None]:
         prompt, good, bad = record_pair(record, where)
         fitted, outcomes = [], []
         for answer in (good, bad):
-            sample = tokenize_chat(self.tokenizer, self.template, prompt + answer)
+            sample = tokenize_chat(
+                self.tokenizer, self.template, prompt + answer, limits=self.limits
+            )
             kept, outcome = fit(sample, self.seq_len + 1, self.policy)
             fitted.append(kept)
             outcomes.append(outcome)

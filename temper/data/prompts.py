@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from temper.data.chat import RecordError, check_messages, read_jsonl, render_chat
+from temper.data.chat import (
+    DEFAULT_LIMITS,
+    RecordError,
+    TemplateLimits,
+    check_messages,
+    read_jsonl,
+    render_chat,
+)
 from temper.data.packing import RowPacker
 from temper.data.sft import Row, pad_id
 from temper.data.sources import ListSource, Record
@@ -81,16 +88,24 @@ class PromptFormat:
     required = (("prompt",),)
     shuffle = True
 
-    def __init__(self, tokenizer: Tokenizer, template: str, width: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: str,
+        width: int,
+        limits: TemplateLimits = DEFAULT_LIMITS,
+    ) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.width = width
+        self.limits = limits
 
     def encode(
         self, record: Record, where: str
     ) -> tuple[tuple[list[int], dict[str, Any]] | None, str | None]:
         messages, record = record_prompt(record, where)
-        text = render_chat(self.template, messages, True, **self.tokenizer.special_tokens)
+        special = self.tokenizer.special_tokens
+        text = render_chat(self.template, messages, True, limits=self.limits, **special)
         ids = self.tokenizer.encode(text)
         return ((ids, record), None) if len(ids) <= self.width else (None, "dropped")
 

@@ -20,7 +20,13 @@ from typing import Literal
 import torch
 
 from temper.data.batch import IGNORE_INDEX
-from temper.data.chat import check_messages, read_jsonl, tokenize_chat
+from temper.data.chat import (
+    DEFAULT_LIMITS,
+    TemplateLimits,
+    check_messages,
+    read_jsonl,
+    tokenize_chat,
+)
 from temper.data.packing import LaneReader, RowPacker
 from temper.data.sources import ListSource, Record
 from temper.data.stream import LaneStream
@@ -102,6 +108,7 @@ class SFTFormat:
         train_on_prompt: bool = False,
         pack: bool = True,
         policy: Policy = "truncate",
+        limits: TemplateLimits = DEFAULT_LIMITS,
     ) -> None:
         self.tokenizer = tokenizer
         self.template = template
@@ -109,10 +116,13 @@ class SFTFormat:
         self.train_on_prompt = train_on_prompt
         self.pack = pack
         self.policy = policy
+        self.limits = limits
 
     def encode(self, record: Record, where: str) -> tuple[Sample | None, str | None]:
         messages = check_messages(record.get("messages"), where)
-        sample = tokenize_chat(self.tokenizer, self.template, messages, self.train_on_prompt)
+        sample = tokenize_chat(
+            self.tokenizer, self.template, messages, self.train_on_prompt, self.limits
+        )
         return fit(sample, self.seq_len + 1, self.policy)
 
     def tokens(self, sample: Sample) -> int:

@@ -36,6 +36,7 @@ import torch
 
 from temper.data.packing import LaneReader
 from temper.data.sources import Record, Source
+from temper.data.sources.base import RecordError, record_error
 
 
 class Packer(Protocol):
@@ -126,7 +127,7 @@ class Lane:
         dropped = 0
         while self._ahead is None:
             if dropped > self.stream.records_per_epoch:
-                raise ValueError(
+                raise RecordError(
                     f"{', '.join(s.name for s in self.stream.sources)}: lane {self.index} drew "
                     f"{dropped} records in a row that the format dropped (over-long for the "
                     "sequence length, or nothing to train on)"
@@ -134,7 +135,11 @@ class Lane:
             s = self._source()
             source, order = self.stream.sources[s], self.stream.orders[s]
             record = order(self.index + self.taken[s] * self.stream.lanes)
-            sample, outcome = self.stream.format.encode(source.record(record), source.where(record))
+            where = source.where(record)
+            try:
+                sample, outcome = self.stream.format.encode(source.record(record), where)
+            except ValueError as error:
+                raise record_error(error, where) from None
             if sample is None:
                 self.draws += 1
                 self.taken[s] += 1

@@ -7,6 +7,8 @@ from typing import Any
 
 import tokenizers
 
+from temper.utils.paths import inside
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKEN_KEYS = (
@@ -106,24 +108,28 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     """Load the built-in tokenizer (None), a ``tokenizer.json`` file, or an HF folder.
 
     In a folder, EOS and pad come from ``tokenizer_config.json`` when it names them;
-    otherwise EOS is ``<|endoftext|>`` and pad is ``<|pad|>`` when in the vocabulary.
+    otherwise EOS is ``<|endoftext|>`` and pad is ``<|pad|>`` when in the vocabulary. A
+    folder's files must lie inside it (UnsafePath for a symlink leading out).
     """
     if path is None:
         asset = resources.files("temper.assets").joinpath("tokenizer.json")
         return Tokenizer(tokenizers.Tokenizer.from_str(asset.read_text()), EOS_TOKEN, PAD_TOKEN)
 
     target = Path(path)
-    tokenizer_path = target / "tokenizer.json" if target.is_dir() else target
+    folder = target.is_dir()
+    tokenizer_path = inside(target, "tokenizer.json") if folder else target
     raw = _read_tokenizer(tokenizer_path)
     eos = _default_token(raw, EOS_TOKEN)
     pad = _default_token(raw, PAD_TOKEN)
     special: dict[str, Any] = {}
-    config_path = target / "tokenizer_config.json"
-    if target.is_dir() and config_path.is_file():
+    if folder and (target / "tokenizer_config.json").is_file():
+        config_path = inside(target, "tokenizer_config.json")
         try:
             config = json.loads(config_path.read_text())
         except ValueError as error:
             raise ValueError(f"{config_path}: invalid JSON ({error})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path}: expected a JSON object")
         eos = _config_token(config, "eos_token", config_path) or eos
         pad = _config_token(config, "pad_token", config_path) or pad
         special = {key: _config_token(config, key, config_path) for key in SPECIAL_TOKEN_KEYS}

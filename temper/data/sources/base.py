@@ -28,6 +28,18 @@ class Source(Protocol):
         ...
 
 
+class RecordError(ValueError):
+    """A data record is malformed; the message names the file, the line and the problem."""
+
+
+def record_error(error: ValueError, where: str) -> RecordError:
+    """``error`` met while reading the record at ``where``, as a RecordError that names
+    ``where`` once: what a run that meets a bad record past the pre-flight's sample stops on
+    (``temper: data error: ...``, exit code 2)."""
+    message = str(error)
+    return RecordError(message if message.startswith(where) else f"{where}: {message}")
+
+
 def check_not_empty(source: Source) -> Source:
     if source.num_records == 0:
         raise ValueError(f"{source.name}: no records (empty source)")

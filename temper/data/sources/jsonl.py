@@ -3,7 +3,8 @@
 Opening indexes the lines (a plain file is memory-mapped; a ``.jsonl.gz`` is decompressed
 into memory once, since gzip has no random access: for a corpus larger than memory, use
 parquet or a pretokenized shard). A record is parsed when it is read, so each rank parses
-only its own; a malformed line fails naming its file and line.
+only its own; a malformed line fails naming its file and line, and a line longer than
+``data.max_record_bytes`` fails as the file is indexed, before any of it is parsed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import zlib
 from array import array
 from pathlib import Path
 
-from temper.data.sources.base import Record
+from temper.config import Data
+from temper.data.sources.base import Record, RecordError
 
 
 def _read(path: Path) -> bytes | mmap.mmap:
@@ -30,13 +32,17 @@ def _read(path: Path) -> bytes | mmap.mmap:
         return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
 
 
+def record_too_long(max_bytes: int) -> str:
+    return f"the record is longer than data.max_record_bytes ({max_bytes} bytes); refused"
+
+
 def parse_line(line: bytes, where: str) -> Record:
     try:
         record = json.loads(line)
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
-        raise ValueError(f"{where}: invalid JSON ({error})") from None
+        raise RecordError(f"{where}: invalid JSON ({error})") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise RecordError(f"{where}: expected a JSON object, got {type(record).__name__}")
     return record
 
 
@@ -45,7 +51,7 @@ class JsonlSource:
 
     fields = None
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, max_record_bytes: int = Data.max_record_bytes) -> None:
         self.name = str(path)
         self.path = path
         self._data = _read(path)
@@ -57,6 +63,8 @@ class JsonlSource:
             lineno += 1
             stop = self._data.find(b"\n", offset)
             stop = end if stop == -1 else stop
+            if stop - offset > max_record_bytes:
+                raise RecordError(f"{path}:{lineno}: {record_too_long(max_record_bytes)}")
             if self._data[offset:stop].strip():
                 self._starts.append(offset)
                 self._ends.append(stop)
