@@ -122,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if restart:
         announce_restart(config, restart)
 
+    from temper.data.sources.base import RecordError
+    from temper.models.safetensors_io import WeightError
     from temper.trainer import Trainer
     from temper.utils.device import shutdown_runtime
 
@@ -136,6 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every rank meets the same bad input; one line says it.
         if os.environ.get("RANK", "0") == "0":
             print(f"temper: config error: {err}", file=sys.stderr)
+        return 2
+    except (RecordError, WeightError) as err:
+        # A record past the pre-flight's sample, a weight's values: only the rank that read
+        # it knows, so that rank says it, in one line.
+        kind = "data" if isinstance(err, RecordError) else "model"
+        print(f"temper: {kind} error: {err}", file=sys.stderr)
         return 2
     finally:
         shutdown_runtime()
