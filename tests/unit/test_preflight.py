@@ -56,7 +56,8 @@ def tiny_hf_folder(folder: Path, vocab_size: int = 768, **config_fields: Any) ->
 
 def test_a_good_config_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "chat.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data.write_text(json.dumps({"messages": turns}) + "\n")
     lora = ["--lora.enable", "--lora.target_modules", "q_proj", "v_proj"]  # HF names work
     code, err = check(
         capsys, *SFT, *lora, "--data.path", str(data), "--job.dump_folder", str(tmp_path / "run")
