@@ -22,6 +22,7 @@ GPUs) would skip the files; it is not used (docs/post-training.md says what it n
 from __future__ import annotations
 
 import shlex
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -153,8 +154,11 @@ class VLLMEngine:
         self.server.start()
 
     def close(self) -> None:
+        """Stop a managed server and free the weights folder (memory, in /dev/shm)."""
         if self.server is not None:
             self.server.stop()
+        if self.writer:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
 def served_weights(weights: Weights, tied: bool) -> Weights:
