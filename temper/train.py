@@ -122,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if restart:
         announce_restart(config, restart)
 
+    from temper.checkpoint.manager import DiskFull
     from temper.data.sources.base import RecordError
     from temper.models.safetensors_io import WeightError
     from temper.trainer import Trainer
@@ -145,6 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind = "data" if isinstance(err, RecordError) else "model"
         print(f"temper: {kind} error: {err}", file=sys.stderr)
         return 2
+    except DiskFull as err:
+        # The step's metrics are written and the last good checkpoint kept: one line says so.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"temper: {err}", file=sys.stderr)
+        return 1
     finally:
         shutdown_runtime()
     return 0 if finished else trainer.stop.exit_code  # 130 on Ctrl-C, 143 on SIGTERM

@@ -82,9 +82,7 @@ class TrainCheckpointer:
         if self.config.enable:
             remove_partial_saves(self.root)
         self._resume_step = (
-            resolve_resume(self.root, self.config.resume, digests)
-            if self.config.enable
-            else None
+            resolve_resume(self.root, self.config.resume, digests) if self.config.enable else None
         )
         if self._resume_step is not None:
             where = f"{self.root}/step-{self._resume_step}"

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from temper.checkpoint.convert import dcp_to_hf
-from temper.checkpoint.manager import checkpoint_dir
+from temper.checkpoint.manager import DiskFull, checkpoint_dir
 from temper.config import Config, load_config, save_config
 from temper.data.batch import Batch
 from temper.data.loader import build_loader
@@ -166,7 +166,11 @@ class Trainer:
             export = self.config.checkpoint.hf_export
             export = export == "every" or (export == "final" and last)
             with self.phases("checkpoint"):
-                self.engine.save(state.step, state, metadata=metadata, wait=last or export)
+                try:
+                    self.engine.save(state.step, state, metadata=metadata, wait=last or export)
+                except DiskFull:
+                    self._log(metrics)  # the step trained: its record outlives the save
+                    raise
                 if export and self.engine.runtime.is_main:
                     self._say(f"temper: exported {export_hf(self.config, state.step)}")
         self.phases.step_done()

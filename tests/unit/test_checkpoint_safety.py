@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import math
 import os
 import pickle
+import re
 import subprocess
 from pathlib import Path
 
@@ -432,3 +435,27 @@ def test_the_digest_of_a_file_of_several_pieces(tmp_path: Path, monkeypatch) -> 
     assert integrity.digest_of(path) == hashlib.sha256(b"".join(pieces)).hexdigest()
     flip_one_byte(path, 2 * 1024 + 5)
     assert integrity.digest_of(path) != hashlib.sha256(b"".join(pieces)).hexdigest()
+
+
+def test_a_run_whose_disk_fills_ends_in_one_line_with_its_metrics(
+    small_filesystem: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's checkpoints on a 2 MiB tmpfs: the first save does not fit. Exit 1, one line
+    naming the folder, and the step that trained is in metrics.jsonl."""
+    from temper.train import main as train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(small_filesystem)
+    args = ["--training.steps", "1", "--training.seq_len", "16", "--metrics.no-tensorboard"]
+    args += ["--checkpoint.enable", "--checkpoint.interval", "1", "--job.dump_folder", str(run)]
+    assert train(args) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"temper: .*\.step-1\.partial: no space left on device while saving step-1; the "
+        r"partial save was removed and there is no earlier checkpoint",
+        lines[0],
+    ), lines
+    (record,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert record["step"] == 1 and math.isfinite(record["loss"])
+    assert list(small_filesystem.iterdir()) == []
