@@ -17,7 +17,7 @@ recipe=(-m temper.train --module "$MODULE" --config "$CONFIG")
 # Help, the recipe list, a dry run and config errors are answered once, here, before any rank starts.
 for arg in "$@"; do
   case "$arg" in
-    -h | --help | --list) exec "$PYTHON" "${recipe[@]}" "$@" ;;
+    -h | --help | --help_all | --list) exec "$PYTHON" "${recipe[@]}" "$@" ;;
     --dry_run) WORLD_SIZE="$((NNODES * NGPU))" exec "$PYTHON" "${recipe[@]}" "$@" ;;
   esac
 done

@@ -10,10 +10,12 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import temper.engine  # noqa: F401  (registers every built-in config rule and objective)
 from temper.config import Config, ConfigError, load_config
+from temper.config.loading import short_help
 
 DEFAULT_MODULE = "temper.recipes.llama3"
 DEFAULT_CONFIG = "llama3_debug"
@@ -29,8 +31,7 @@ usage: MODULE=<module> CONFIG=<function> NGPU=<n> ./run_train.sh [--section.fiel
   MAX_RESTARTS  restart the group up to n times when a rank dies; each restart resumes
           from the newest complete checkpoint (default 0)
   ./run_train.sh --list   the built-in recipes and model families
-
-The fields below default to the recipe's values.
+  ./run_train.sh --help_all   every field of every section, with its type and default
 """
 
 
@@ -44,11 +45,16 @@ def catalog() -> str:
     from temper.models.registry import all_model_specs
 
     lines = ["Recipes (MODULE=<module> CONFIG=<function> ./run_train.sh):"]
+    wrap = textwrap.TextWrapper(width=88, initial_indent=" " * 6, subsequent_indent=" " * 6)
     for module in builtin_recipe_modules():
         lines.append(f"  {module}")
         mod = importlib.import_module(module)
+        # Each recipe once, under the module that defines it (not where it is re-exported).
         for name in recipe_names(mod):
-            lines.append(f"    {name:<18} {_first_sentence(inspect.getdoc(getattr(mod, name)))}")
+            recipe = getattr(mod, name)
+            if recipe.__module__ == module:
+                lines.append(f"    {name}")
+                lines.extend(wrap.wrap(_first_sentence(inspect.getdoc(recipe))))
     lines.append("Model families (--model.name, --model.flavor; or --model.hf_path FOLDER):")
     for spec in sorted(all_model_specs(), key=lambda spec: spec.name):
         lines.append(f"  {spec.name:<12} {', '.join(spec.flavors)}")
@@ -103,9 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if known.list:
         print(catalog())
         return 0
-    if "-h" in overrides or "--help" in overrides:
-        print(USAGE)
     try:
+        if "-h" in overrides or "--help" in overrides:
+            print(USAGE)
+            print(short_help(known.module, known.config, overrides))
+            return 0
+        if "--help_all" in overrides:
+            print(USAGE)
+            overrides = ["--help" if arg == "--help_all" else arg for arg in overrides]
         config = load_config(known.module, known.config, overrides)
         if known.check_only:
             from temper.trainer.preflight import preflight

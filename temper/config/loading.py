@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
 import json
 import os
 import sys
+import textwrap
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,11 +38,7 @@ def load_config(
     knob, say) are parsed as that subclass, so their extra fields get flags too.
     """
     recipe = _find_recipe(_import_recipe_module(module), module, function)
-    config = recipe()
-    if not isinstance(config, Config):
-        raise ConfigError(
-            f"recipe {module}.{function} returned {type(config).__name__}, not a temper Config"
-        )
+    config = _call_recipe(recipe, module, function)
     _select_objective(config, argv)
     cli_type = _runtime_typed(type(config), config)
     description = inspect.getdoc(recipe) or f"Recipe {module}.{function}"
@@ -56,6 +54,80 @@ def load_config(
     if validate:
         config.validate()
     return config
+
+
+def _call_recipe(recipe, module: str, function: str) -> Config:
+    config = recipe()
+    if not isinstance(config, Config):
+        raise ConfigError(
+            f"recipe {module}.{function} returned {type(config).__name__}, not a temper Config"
+        )
+    return config
+
+
+# The flags a first run most often sets; `--help` shows these, `--help_all` every field.
+COMMON_FLAGS = (
+    "model.hf_path",
+    "data.path",
+    "data.format",
+    "data.tokenizer_path",
+    "objective.name",
+    "training.steps",
+    "training.seq_len",
+    "training.global_batch_size",
+    "optimizer.lr",
+    "lora.enable",
+    "checkpoint.enable",
+    "checkpoint.interval",
+    "checkpoint.hf_export",
+    "job.dump_folder",
+)
+
+
+def short_help(module: str, function: str, argv: Sequence[str] = (), width: int = 88) -> str:
+    """``--help``: the recipe's sections and the common flags with the recipe's values, each
+    help text wrapped to ``width`` columns (the full tree is ``--help_all``)."""
+    recipe = _find_recipe(_import_recipe_module(module), module, function)
+    config = _call_recipe(recipe, module, function)
+    _select_objective(config, argv)
+    wrap = textwrap.TextWrapper(width=width, initial_indent="  ", subsequent_indent="  ")
+    lines = [f"{module}:{function}", *wrap.wrap(inspect.getdoc(recipe) or ""), ""]
+    lines.append("Sections (--<section>.<field>; `--help_all` lists every field):")
+    lines.extend(wrap.wrap(", ".join(_sections(config))))
+    lines.append("")
+    lines.append("Common flags (the recipe's value):")
+    flag_wrap = textwrap.TextWrapper(width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    for name in COMMON_FLAGS:
+        section_name, _, field_name = name.partition(".")
+        section = getattr(config, section_name)
+        lines.append(f"  --{name} {getattr(section, field_name)}")
+        lines.extend(flag_wrap.wrap(_field_doc(type(section), field_name)))
+    names = ", ".join(objective_config_names())
+    objectives = (
+        f"Objectives: {names} (this recipe: {config.objective.name}); "
+        f"`{OBJECTIVE_FLAG} NAME --help_all` lists NAME's fields."
+    )
+    lines.extend(["", *textwrap.wrap(objectives, width=width)])
+    return "\n".join(lines)
+
+
+def _field_doc(cls: type, name: str) -> str:
+    """The string under ``name``'s annotation in ``cls`` or a base (its help text), on one
+    line."""
+    for klass in cls.__mro__:
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.target.id == name
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+            ):
+                return " ".join(str(after.value.value).split())
+    return ""
 
 
 def _select_objective(config: Config, argv: Sequence[str]) -> None:
@@ -84,7 +156,7 @@ def _objectives_help(config: Config) -> str:
     names = ", ".join(objective_config_names())
     return (
         f"Objectives: {names}. The --objective.* flags below are {config.objective.name}'s; "
-        f"`{OBJECTIVE_FLAG} NAME --help` lists another's."
+        f"`{OBJECTIVE_FLAG} NAME --help_all` lists another's."
     )
 
 
