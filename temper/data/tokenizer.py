@@ -104,6 +104,12 @@ def _default_token(raw: tokenizers.Tokenizer, token: str) -> str | None:
     return token if raw.token_to_id(token) is not None else None
 
 
+def builtin_tokenizer_path() -> Path:
+    """The built-in tokenizer's file: ``data.tokenizer_path`` to it trains a model folder
+    that ships no tokenizer with the built-in one."""
+    return Path(str(resources.files("temper.assets").joinpath("tokenizer.json")))
+
+
 def load_tokenizer(path: str | None) -> Tokenizer:
     """Load the built-in tokenizer (None), a ``tokenizer.json`` file, or an HF folder.
 
@@ -112,8 +118,8 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     folder's files must lie inside it (UnsafePath for a symlink leading out).
     """
     if path is None:
-        asset = resources.files("temper.assets").joinpath("tokenizer.json")
-        return Tokenizer(tokenizers.Tokenizer.from_str(asset.read_text()), EOS_TOKEN, PAD_TOKEN)
+        asset = builtin_tokenizer_path().read_text()
+        return Tokenizer(tokenizers.Tokenizer.from_str(asset), EOS_TOKEN, PAD_TOKEN)
 
     target = Path(path)
     folder = target.is_dir()

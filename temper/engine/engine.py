@@ -20,7 +20,7 @@ from temper.checkpoint.adapter import read_peft_adapter
 from temper.config import Config, ConfigError, LoRA
 from temper.data.batch import Batch
 from temper.data.loader import is_image_data
-from temper.data.tokenizer import Tokenizer, load_tokenizer
+from temper.data.tokenizer import Tokenizer, builtin_tokenizer_path, load_tokenizer
 from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
 from temper.kernels.dispatch import configure_kernels
 from temper.models import build_hf_model, build_model, materialize
@@ -252,6 +252,16 @@ def load_run_tokenizer(config: Config) -> Tokenizer:
     ConfigError naming the flag when it cannot be read."""
     try:
         return load_tokenizer(config.data.tokenizer_path or config.model.hf_path)
+    except FileNotFoundError as error:
+        if config.data.tokenizer_path is not None:
+            raise ConfigError(f"{tokenizer_flag(config)}: {error}") from None
+        # A model folder without its tokenizer (weights saved alone): say where to get one.
+        raise ConfigError(
+            f"{tokenizer_flag(config)}: {error}; name the model's tokenizer with "
+            "--data.tokenizer_path (a tokenizer.json, or a folder holding one such as the base "
+            "model's), or train with the built-in tokenizer: --data.tokenizer_path "
+            f"{builtin_tokenizer_path()}"
+        ) from None
     except (OSError, ValueError) as error:
         raise ConfigError(f"{tokenizer_flag(config)}: {error}") from None
 

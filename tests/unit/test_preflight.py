@@ -17,6 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from temper.checkpoint.convert import hf_to_dcp
+from temper.data.tokenizer import builtin_tokenizer_path
 from temper.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +115,29 @@ def test_tokenizer_larger_than_the_model(
     line = one_error(*check(capsys, "--model.hf_path", str(hf)))
     assert f"model.hf_path {hf}: the tokenizer has 688 tokens" in line
     assert "embeds only 256" in line
+
+
+def test_model_folder_without_a_tokenizer_names_the_ways_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hf = tiny_hf_folder(tmp_path / "hf")
+    (hf / "tokenizer.json").unlink()
+    line = one_error(*check(capsys, "--model.hf_path", str(hf)))
+    assert f"model.hf_path {hf}: tokenizer file not found" in line
+    assert "--data.tokenizer_path" in line
+    builtin = line.rsplit(" ", 1)[1]  # the built-in tokenizer's file ends the line
+    assert builtin == str(builtin_tokenizer_path())
+    # Following the second way out passes the pre-flight.
+    code, err = check(
+        capsys,
+        "--model.hf_path",
+        str(hf),
+        "--data.tokenizer_path",
+        builtin,
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    )
+    assert code == 0, err
 
 
 def test_lora_targets_that_match_nothing(
