@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from temper.models.hf import hf_module_names
+from temper.models.hf import hf_module_names, hf_rules
 from temper.models.lora import LoRALinear
 from temper.models.safetensors_io import save_safetensors
 from temper.utils.paths import inside
@@ -53,7 +53,7 @@ def save_peft_adapter(
         "lora_alpha": lora["alpha"],
         "lora_dropout": lora.get("dropout", 0.0),
         "use_rslora": lora["rslora"],
-        "target_modules": sorted(targets),
+        "target_modules": _peft_targets(targets, _hf_modules(model)),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -61,6 +61,22 @@ def save_peft_adapter(
     output.mkdir(parents=True, exist_ok=True)
     save_safetensors(tensors, output / ADAPTER_WEIGHTS)
     (output / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _hf_modules(model: nn.Module) -> set[str]:
+    """The module name of every weight of the model's HF checkpoint, stacked experts' one per
+    expert included (a short target must not pick them up)."""
+    hf_names = (name for rule in hf_rules(model) for name in rule.hf)
+    return {name.removesuffix(".weight") for name in hf_names if name.endswith(".weight")}
+
+
+def _peft_targets(targets: list[str], modules: set[str]) -> list[str]:
+    """PEFT's ``target_modules``: the adapted layers' last names (``q_proj``), which PEFT
+    matches as a suffix of each module's name, when they pick exactly the adapted layers
+    among ``modules`` (the model's HF module names); else the full names."""
+    short = {target.rsplit(".", 1)[-1] for target in targets}
+    picked = {name for name in modules if name.rsplit(".", 1)[-1] in short}
+    return sorted(short) if picked == set(targets) else sorted(targets)
 
 
 def read_peft_adapter(

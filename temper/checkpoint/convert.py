@@ -58,9 +58,14 @@ from temper.models.hf import (
     write_hf_config,
 )
 from temper.models.lora import lora_modules, merge_lora
-from temper.models.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_streaming
+from temper.models.safetensors_io import (
+    DEFAULT_SHARD_BYTES,
+    read_json,
+    write_safetensors_streaming,
+)
 from temper.quantize import quantize_lora_base, write_quantization
 from temper.quantize.nf4 import RowShardedNF4Planner
+from temper.utils.paths import inside
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -137,15 +142,9 @@ def dcp_to_hf(
     metadata = read_metadata(checkpoint)
     recorded = [metadata.get(k) for k in ("tokenizer", "tokenizer_source", "hf_path")]
     check_output(output, [checkpoint, *(Path(p) for p in recorded if p)])
-    if adapter_only:
-        lora = metadata["structure"].get("lora")
-        if not lora:
-            raise ValueError(f"--adapter-only: {checkpoint} was not trained with LoRA")
-        model = load_adapters(checkpoint, checkpoint_meta_model(checkpoint))
-        save_peft_adapter(model, lora, output, metadata.get("hf_path"))
-        write_checksums(output)
-        return
-    cast = DTYPES[dtype] if dtype is not None else None
+    lora = metadata["structure"].get("lora")
+    if adapter_only and not lora:
+        raise ValueError(f"--adapter-only: {checkpoint} was not trained with LoRA")
     source = exported_tokenizer(checkpoint, metadata, tokenizer)
     tokenizer = load_tokenizer(source)
     files = {
@@ -157,8 +156,28 @@ def dcp_to_hf(
     turn_end = _turn_end(tokenizer, template)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else turn_end
     stops = sorted(stop_token_ids(tokenizer, template)) if template is not None else turn_end
-    token_ids = {"eos_token_id": turn_end, "pad_token_id": pad}
     start = _existing(metadata.get("hf_path"))
+    config = json.loads(files["tokenizer_config.json"])
+    config["eos_token"] = tokenizer.decode([turn_end])
+    config["pad_token"] = tokenizer.decode([pad])
+    files["tokenizer_config.json"] = json.dumps(config, indent=2) + "\n"
+    if template is not None:
+        files[CHAT_TEMPLATE_FILE] = template
+    if adapter_only:
+        # The adapter folder serves with its tokenizer, as PEFT's save_pretrained beside a
+        # tokenizer's does.
+        model = load_adapters(checkpoint, checkpoint_meta_model(checkpoint))
+        save_peft_adapter(model, lora, output, metadata.get("hf_path"))
+        for name, text in files.items():
+            (output / name).write_text(text)
+        write_checksums(output)
+        return
+    cast = DTYPES[dtype] if dtype is not None else None
+    token_ids = {"eos_token_id": turn_end, "pad_token_id": pad}
+    bos = _bos_token_id(tokenizer, start)
+    if bos is not None:
+        token_ids["bos_token_id"] = bos
+    generation = _source_generation_config(start) | {"eos_token_id": stops}
     if _nf4_base(metadata):
         # NF4 codes do not reshard tensor by tensor: the (small) quantized model is loaded
         # whole and merged.
@@ -168,7 +187,7 @@ def dcp_to_hf(
             model,
             output,
             extra_config=token_ids,
-            generation_config={"eos_token_id": stops},
+            generation_config=generation,
             max_shard_bytes=max_shard_bytes,
             carry_from=start,
         )
@@ -186,14 +205,8 @@ def dcp_to_hf(
             model,
             cast or next(model.parameters()).dtype,
             extra_config=token_ids,
-            generation_config={"eos_token_id": stops},
+            generation_config=generation,
         )
-    config = json.loads(files["tokenizer_config.json"])
-    config["eos_token"] = tokenizer.decode([turn_end])
-    config["pad_token"] = tokenizer.decode([pad])
-    files["tokenizer_config.json"] = json.dumps(config, indent=2) + "\n"
-    if template is not None:
-        files[CHAT_TEMPLATE_FILE] = template
     for name, text in files.items():
         (output / name).write_text(text)
     if metadata.get("qat"):
@@ -234,6 +247,25 @@ def _existing(folder: str | None) -> str | None:
     """The folder a run started from, where it still exists: the tensors an export carries
     through come from it (a moved folder gives an export without them)."""
     return folder if folder is not None and Path(folder).is_dir() else None
+
+
+def _bos_token_id(tokenizer: Tokenizer, start: str | None) -> int | None:
+    """The BOS id transformers' ``generate`` and servers prepend: the starting folder's
+    config.json's, else the tokenizer's ``bos_token``, else none."""
+    if start is not None:
+        bos = read_json(inside(start, "config.json"), "HF model config").get("bos_token_id")
+        if bos is not None:
+            return bos
+    token = tokenizer.special_tokens.get("bos_token")
+    return tokenizer.token_id(token) if token is not None else None
+
+
+def _source_generation_config(start: str | None) -> dict:
+    """The starting folder's generation_config.json (sampling defaults, stop ids), carried
+    into the export; {} when the run did not start from one that has it."""
+    if start is None or not (Path(start) / "generation_config.json").is_file():
+        return {}
+    return read_json(inside(start, "generation_config.json"), "generation config")
 
 
 def _chat_template(files: dict[str, str], source: str | None) -> str | None:

@@ -128,7 +128,14 @@ def test_adapter_only_export_loads_in_peft(tmp_path: Path) -> None:
         "adapter_config.json",
         "adapter_model.safetensors",
         "checksums.sha256",
+        "tokenizer.json",
+        "tokenizer_config.json",
     }
+    # PEFT's own short names, not one full name per layer.
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+    served_tokenizer = AutoTokenizer.from_pretrained(out)  # the folder serves on its own
+    assert served_tokenizer("copy: a b c")["input_ids"] == engine.tokenizer.encode("copy: a b c")
 
     base = AutoModelForCausalLM.from_pretrained(hf).eval()
     ids = torch.randint(0, 768, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -139,6 +146,27 @@ def test_adapter_only_export_loads_in_peft(tmp_path: Path) -> None:
         ours = engine.model.eval()(ids)
     assert (ours - base_logits).abs().max() > 1e-2  # the adapters matter
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+
+def test_export_keeps_bos_and_the_source_generation_config(tmp_path: Path) -> None:
+    """A run started from an HF folder exports its config.json's bos_token_id and its
+    generation_config.json's sampling defaults, with the run's own stop ids."""
+    hf = tiny_hf_folder(tmp_path / "base")
+    config = json.loads((hf / "config.json").read_text())
+    config["bos_token_id"] = 5
+    (hf / "config.json").write_text(json.dumps(config))
+    source = {"bos_token_id": 5, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+    (hf / "generation_config.json").write_text(json.dumps(source))
+    hf_to_dcp(hf, tmp_path / "ckpt")
+    dcp_to_hf(tmp_path / "ckpt", tmp_path / "out")
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert exported.config.bos_token_id == 5
+    generation = exported.generation_config
+    assert (generation.do_sample, generation.temperature, generation.top_p) == (True, 0.6, 0.95)
+    assert generation.bos_token_id == 5
+    eos = AutoTokenizer.from_pretrained(tmp_path / "out").convert_tokens_to_ids("<|endoftext|>")
+    assert generation.eos_token_id == eos  # the run's stop id, as before
 
 
 def test_hf_export_final_writes_the_trained_model(tmp_path: Path) -> None:
