@@ -6,7 +6,8 @@ per-token log-probabilities that DPO and GRPO need are all simple functions of t
 two vectors, and since every token is independent, a sequence-parallel shard of hidden
 states and labels needs nothing special. Its backward recomputes each chunk's logits
 instead of keeping them: one extra matmul per chunk buys memory that no longer grows
-with the vocabulary.
+with the vocabulary. Asked for it, the forward's chunks also give each position's entropy
+(no gradient), which an RL loss logs without a forward of its own.
 
 `linear_cross_entropy` is the training loss itself (summed cross-entropy plus z-loss).
 Its gradient is known up to the one scalar that the backward brings, so the forward
@@ -41,6 +42,12 @@ def log_probs_from_logits(
     valid = labels != IGNORE_INDEX
     picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(valid, picked - lse, 0.0), lse
+
+
+def logits_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of softmax(logits) [..., vocab] per position, in fp32."""
+    logits = logits.float()
+    return logits.logsumexp(dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
 
 
 def logits_grad_reference(
@@ -78,18 +85,27 @@ def linear_log_probs(
     labels: torch.Tensor,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     impl: Impl | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked, memory-lean equivalent of `linear_log_probs_reference`.
 
     hidden [..., dim], weight [vocab, dim], labels [...] -> (log_probs, lse), both fp32 [...].
     Under autocast both operands are cast to its dtype here, so the forward and the
     recomputing backward (which runs outside autocast) multiply in the same precision.
-    ``impl`` pins the per-chunk implementation.
+    ``impl`` pins the per-chunk implementation. ``entropy``: a contiguous fp32 tensor shaped
+    like ``labels`` that the forward fills with each position's `logits_entropy` (no
+    gradient flows through it).
     """
     hidden, weight = _autocast_operands(hidden, weight)
     shape = labels.shape
+    flat_entropy = None if entropy is None else entropy.view(-1)
     log_probs, lse = _ChunkedLinearLogProbs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_tokens, impl
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1),
+        chunk_tokens,
+        impl,
+        flat_entropy,
     )
     return log_probs.view(shape), lse.view(shape)
 
@@ -237,6 +253,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         labels: torch.Tensor,
         chunk_tokens: int,
         impl: Impl | None,
+        entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stats = choose("cross_entropy", hidden.device, impl, log_probs_from_logits, _triton_stats)
         log_probs = hidden.new_empty(labels.shape, dtype=torch.float32)
@@ -246,6 +263,8 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
             rows = slice(start, start + chunk_tokens)
             logits = _chunk_logits(hidden, weight, rows, buffer)
             log_probs[rows], lse[rows] = stats(logits, labels[rows])
+            if entropy is not None:
+                entropy[rows] = logits_entropy(logits)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_tokens = chunk_tokens
         ctx.impl = impl
@@ -276,7 +295,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
             _accumulate(grad_logits, hidden, weight, rows, grad_hidden, grad_weight)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _triton_stats() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:

@@ -28,6 +28,7 @@ from temper.kernels.cross_entropy import (
     linear_cross_entropy,
     linear_log_probs,
     log_probs_from_logits,
+    logits_entropy,
 )
 from temper.kernels.dispatch import kernel_settings
 from temper.models.protocols import MultiTokenPredictor, RoutedModel
@@ -120,19 +121,23 @@ def label_log_probs(
     document_mask: DocumentMask | None = None,
     temperature: float = 1.0,
     shard: SequenceShard | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token log p(label) [b, s] in fp32, 0 where the label is ignored: the quantity DPO
     and GRPO build on, with the logits divided by ``temperature`` (GRPO's sampling one).
     Chunked through the head (no full logits) when the fused cross-entropy is on, as in
     `CausalLM`; from full logits otherwise. ``shard``: the rows are a sequence-parallel
-    slice."""
+    slice. ``entropy``: an fp32 tensor shaped like ``labels`` filled with each position's
+    entropy at ``temperature`` from the same logits (no gradient): no forward of its own."""
     kernels = kernel_settings()
     if kernels.fused_cross_entropy and _weight_only_head(model):
         hidden = model.hidden_states(input_ids, position_ids, document_mask, shard=shard)
         hidden = hidden / temperature
         chunk = kernels.chunk_tokens(hidden.device)
-        return linear_log_probs(hidden, model.output.weight, labels, chunk)[0]
+        return linear_log_probs(hidden, model.output.weight, labels, chunk, entropy=entropy)[0]
     logits = model(input_ids, position_ids, document_mask, shard=shard) / temperature
+    if entropy is not None:
+        entropy.copy_(logits_entropy(logits.detach()))
     return log_probs_from_logits(logits, labels)[0]
 
 

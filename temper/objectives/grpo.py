@@ -3,18 +3,22 @@ value baseline replaced by the mean reward of a group of completions of the same
 
 A rollout (``prepare``) samples ``group_size`` completions per prompt with the training
 model itself, scores them with the rewards, and turns the rewards into advantages
-``A = (r - mean_group) / (std_group + eps)``. It also records the policy's log-probabilities
-of the sampled tokens with a trainer forward (``old``), and the reference's when a KL term is
-on. Per completion token, with ``ratio = exp(logp - old)``:
+``A = (r - mean_group) / (std_group + eps)`` (``objective.advantage_scale``). It records the
+reference's log-probabilities of the sampled tokens when a KL term is on, and the policy's own
+(``old``) with a trainer forward when they can differ from the first update's: a sampler
+other than the model itself, or several updates per rollout. Otherwise ``old`` is the
+training forward's own log-probs, detached (the ratio is 1 by construction). Per completion
+token, with ``ratio = exp(logp - old)``:
 
     loss = -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) + kl_coef * k3
     k3   = exp(ref - logp) - (ref - logp) - 1     (Schulman's low-variance KL estimate)
 
-The loss is summed over completion tokens and ``count`` is their number, so the trainer's
-division averages over every token of the step (DAPO's token-level normalization: long
-completions weigh by their length, not as one sample each). ``objective.loss`` swaps in
-GSPO or Dr. GRPO (``temper.objectives.policy_loss``, with asymmetric clipping and truncated
-importance sampling); DAPO's dynamic sampling is ``temper.objectives.dynamic_sampling``.
+(``kl_estimator weighted_k3``: ``ratio * k3``, DeepSeek-V3.2's importance-weighted estimate.)
+``objective.loss`` says what the per-token sum is divided by (``grpo``: each completion's
+mean, then the completions'; ``dapo``: every completion token of the step, TRL's default
+and this objective's) or swaps in GSPO's sequence ratio (``temper.objectives.policy_loss``,
+with asymmetric clipping and truncated importance sampling); DAPO's dynamic sampling is
+``temper.objectives.dynamic_sampling``.
 Rewards get each prompt's whole record (``temper.objectives.rewards``). The same rollout serves
 ``updates_per_rollout`` optimizer steps; the first is on-policy (ratio 1), later ones are
 held near the sampling policy by the clip. With ``router_replay`` (MoE) every forward of a
@@ -27,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -44,7 +48,7 @@ from temper.generation.sampling import check_sampling
 from temper.models.fit import model_args
 from temper.models.layers.route_replay import ROUTES, replaying_routes
 from temper.objectives.causal_lm import documents, label_log_probs
-from temper.objectives.policy_loss import LossName, PolicyLoss
+from temper.objectives.policy_loss import AdvantageScale, LossName, PolicyLoss
 from temper.objectives.registry import (
     Metrics,
     Objective,
@@ -53,8 +57,10 @@ from temper.objectives.registry import (
     register_objective,
 )
 from temper.objectives.rewards import Reward, exact_match, get_reward, reward_names
-from temper.objectives.rollout import Rollout, RolloutSampler, Sampled
+from temper.objectives.rollout import COMPLETION_LENGTHS, Rollout, RolloutSampler, Sampled
 from temper.parallel.ulysses import whole_sequences
+
+KLEstimator = Literal["k3", "weighted_k3"]
 
 
 def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
@@ -88,9 +94,14 @@ class GRPOConfig(ObjectiveConfig):
     """The importance ratio is clipped to [1 - clip_eps, 1 + clip_high] (PPO)."""
     clip_high: float | None = None
     """The upper clip; None = clip_eps (symmetric). DAPO's clip-higher: 0.28."""
-    loss: LossName = "grpo"
-    """grpo (per-token ratio, token-level mean), gspo (per-completion ratio and mean) or
-    dr_grpo (no std division, constant normalizer); see docs/post-training.md."""
+    loss: LossName = "dapo"
+    """What the per-token losses are divided by: grpo (each completion's token mean, then
+    the mean over completions), dapo (every completion token of the step), bnpo (each
+    micro-batch's tokens), dr_grpo (rows x max_new_tokens); gspo: one ratio per completion,
+    averaged as grpo. TRL's loss_type of the same name; see docs/post-training.md."""
+    advantage_scale: AdvantageScale = "group"
+    """The centred rewards are divided by the reward std of their group, of the rollout
+    micro-batch (batch), or not at all (none: Dr. GRPO). TRL's scale_rewards."""
     tis_cap: float | None = None
     """Truncated importance sampling: weigh each token by min(exp(old - sampler), cap),
     the trainer's old log-prob against the sampler's; None = off."""
@@ -116,6 +127,9 @@ class GRPOConfig(ObjectiveConfig):
     """The registered reward reported as the rollout's `accuracy` metric (1 = right)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the reference model; 0 builds no reference."""
+    kl_estimator: KLEstimator = "k3"
+    """k3 per token, or weighted_k3: k3 times the importance ratio (DeepSeek-V3.2's unbiased
+    estimate off-policy; TRL's use_bias_correction_kl)."""
     updates_per_rollout: int = 1
     """Optimizer steps taken on each rollout batch (the first one is on-policy)."""
     router_replay: bool = False
@@ -180,8 +194,8 @@ class GRPOConfig(ObjectiveConfig):
         if self.loss == "gspo" and config.parallelism.sp > 1:
             raise ConfigError(
                 "objective.loss gspo needs each completion's whole log-prob sum, which "
-                f"parallelism.sp {config.parallelism.sp} splits over ranks; use grpo or "
-                "dr_grpo with sequence parallelism"
+                f"parallelism.sp {config.parallelism.sp} splits over ranks; use grpo, dapo, "
+                "bnpo or dr_grpo with sequence parallelism"
             )
         check_positive(config, "objective.dynamic_sampling_draws")
         if self.router_replay:
@@ -196,7 +210,13 @@ class GRPOConfig(ObjectiveConfig):
         """The loss ``objective.loss`` names, with its clip range."""
         high = self.clip_eps if self.clip_high is None else self.clip_high
         return PolicyLoss(
-            self.loss, self.clip_eps, high, self.tis_cap, self.max_new_tokens, self.mask_band
+            self.loss,
+            self.clip_eps,
+            high,
+            self.tis_cap,
+            self.max_new_tokens,
+            self.mask_band,
+            self.advantage_scale,
         )
 
     def completion_tokens(self) -> int:
@@ -218,6 +238,7 @@ class GRPOConfig(ObjectiveConfig):
             top_p=self.top_p,
             clip_eps=self.clip_eps,
             kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
             updates_per_rollout=self.updates_per_rollout,
             lockstep_group=dist.group.WORLD if config.parallelism.ep > 1 else None,
             policy_loss=self.policy_loss(),
@@ -292,6 +313,7 @@ class GRPO:
         clip_eps: float,
         kl_coef: float,
         updates_per_rollout: int,
+        kl_estimator: KLEstimator = "k3",
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
         lockstep_group: ProcessGroup | None = None,
@@ -321,22 +343,24 @@ class GRPO:
             lockstep_group=lockstep_group,
             accuracy=accuracy,
             overlong=overlong,
-            keep_sampler_log_probs=(
-                self.policy_loss.tis_cap is not None or self.policy_loss.mask_band is not None
-            ),
+            recompute_old=updates_per_rollout > 1,
             compile=compile_rollouts,
             router_replay=router_replay,
         )
         self.group_size = group_size
         self.loss_temperature = self.sampler.loss_temperature
         self.kl_coef = kl_coef
+        self.kl_estimator = kl_estimator
         self.updates_per_rollout = updates_per_rollout
         self.sampling_draws = sampling_draws
         """Prompt micro-batches a rollout micro-batch may sample (dynamic sampling; 1 = off)."""
 
     def count(self, batch: Batch) -> torch.Tensor:
-        """The unit the loss is averaged over: completion tokens (see ``PolicyLoss.count``)."""
-        return self.policy_loss.count(batch["labels"] != IGNORE_INDEX)
+        """The units the loss is averaged over (``PolicyLoss.count``); of a sequence-parallel
+        slice's rows, only the first slice counts those that are not tokens."""
+        shard = batch.get(SEQUENCE_SHARD)
+        whole = shard is None or shard.group is None or dist.get_rank(shard.group) == 0
+        return self.policy_loss.count(batch["labels"] != IGNORE_INDEX, whole)
 
     def prepare(
         self,
@@ -347,8 +371,9 @@ class GRPO:
     ) -> tuple[Batch, dict[str, float]]:
         """Sample (with ``engine``; None: the model itself), score and log-prob one
         micro-batch of prompts (``temper.objectives.rollout``); returns the training rows
-        (``input_ids``, ``labels``, ``old_log_probs``, ``advantages``, maybe
-        ``ref_log_probs`` and ``sampler_log_probs``) and the rollout's metrics."""
+        (``input_ids``, ``labels``, ``completion_lengths``, ``sampler_log_probs``,
+        ``advantages``, maybe ``old_log_probs`` and ``ref_log_probs``) and the rollout's
+        metrics."""
         return self._with_advantages(self.sampler(model, prompts, generator, engine))
 
     def sample(
@@ -379,8 +404,13 @@ class GRPO:
         return replaying_routes(model, batch.get(ROUTES))
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
+        """The policy loss of a micro-batch of rollout rows. Without ``old_log_probs`` (the
+        model sampled them and this is their one update) the forward's own log-probs,
+        detached, are ``old``. Logs the policy's entropy from this forward's logits and the
+        sampler-trainer gap."""
         labels = batch["labels"]
         completion = labels != IGNORE_INDEX
+        entropy = torch.zeros(labels.shape, device=labels.device)
         with self.micro_batch_scope(model, batch):
             log_probs = label_log_probs(
                 model,
@@ -390,16 +420,32 @@ class GRPO:
                 documents(batch),
                 temperature=self.loss_temperature,
                 shard=batch.get(SEQUENCE_SHARD),
+                entropy=entropy,
             )
-        loss, metrics = self.policy_loss(
-            log_probs,
-            batch["old_log_probs"],
-            batch["advantages"],
-            completion,
-            batch.get("sampler_log_probs"),
+        old = batch.get("old_log_probs", log_probs.detach())
+        sampler = batch["sampler_log_probs"]
+        per_token, ratio, metrics = self.policy_loss(
+            log_probs, old, batch["advantages"], completion, sampler
         )
+        gap = (sampler - old).abs().masked_fill(~completion, 0.0)
+        metrics["entropy"] = self._token_mean(entropy, completion, batch)
+        metrics["logprob_diff_mean"] = self._token_mean(gap, completion, batch)
+        metrics["logprob_diff_max"] = gap.amax()
         if self.kl_coef:
             kl = k3_kl(log_probs, batch["ref_log_probs"])
-            loss = loss + self.kl_coef * self.policy_loss.reduce(kl, completion)
-            metrics["kl"] = kl.detach()[completion].sum() / completion.sum().clamp(min=1)
+            if self.kl_estimator == "weighted_k3":
+                kl = kl * ratio
+            per_token = per_token + self.kl_coef * kl
+            metrics["kl"] = self._token_mean(kl, completion, batch)
+        loss = self.policy_loss.reduce(per_token, completion, batch[COMPLETION_LENGTHS])
         return loss, self.count(batch), metrics
+
+    @staticmethod
+    def _token_mean(values: torch.Tensor, completion: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The mean of ``values`` [b, s] over the micro-batch's completion tokens. On a
+        sequence-parallel slice: its part of that mean times the slices, so the metrics' mean
+        over the slices' ranks is the whole rows' mean."""
+        shard = batch.get(SEQUENCE_SHARD)
+        slices = 1 if shard is None or shard.group is None else dist.get_world_size(shard.group)
+        total = values.detach().masked_fill(~completion, 0.0).sum() * slices
+        return total / batch[COMPLETION_LENGTHS].sum().clamp(min=1)

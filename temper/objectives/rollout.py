@@ -1,25 +1,32 @@
 """One RL rollout of a micro-batch of prompts: completions sampled with the policy itself,
 scored by the rewards, and the per-token log-probabilities the loss compares against.
 
-Everything that runs the policy (decoding, the old log-probabilities, the entropy, the
-reference's log-probabilities with LoRA's adapters off) runs in one ``gathered_weights``
-region: under FSDP2 each unit is all-gathered once for the whole rollout. Under sequence
-parallelism every rank of an SP group rolls out the same prompts with the same sampler and
-runs whole sequences (``whole_sequences``); training then slices the rows. The caller runs
-the rollout in the precision context its loss runs in (``Engine.autocast``), and the old
-log-probabilities come from the loss's own function on the same rows
-(``label_log_probs``), so the first update's importance ratio is exactly 1.
+Everything that runs the policy (decoding, the old log-probabilities, the reference's
+log-probabilities with LoRA's adapters off) runs in one ``gathered_weights`` region: under
+FSDP2 each unit is all-gathered once for the whole rollout. Under sequence parallelism every
+rank of an SP group rolls out the same prompts with the same sampler and runs whole sequences
+(``whole_sequences``); training then slices the rows.
+
+The old log-probabilities (what the clipped ratio compares against) need a forward of their
+own only when they can differ from the first update's forward: when another engine sampled
+(vLLM's numerics are not the trainer's) or the rollout serves several updates
+(``recompute_old``). When the model itself sampled and one update follows, the loss takes its
+own forward's log-probs, detached, as ``old``: the ratio is 1 by construction, as the forward
+here would make it (it runs in the loss's precision, ``Engine.autocast``, with the loss's own
+function). The policy's entropy comes from the training forward's logits
+(``temper.objectives.grpo``), and the sampler's log-probs ride in the batch so the loss
+reports the sampler-trainer gap (``logprob_diff_mean``/``_max``).
 
 Every rank runs the same number of forwards whatever its rows' widths: one prefill and then
 decoding steps until every rank of ``lockstep_group`` is done (expert parallelism's
-all-to-alls pair up token for token), one forward for the old log-probabilities, one for the
-reference, and entropy chunks sized from the widest row over all ranks. So collectives inside
+all-to-alls pair up token for token), then one forward for the old log-probabilities (when
+they are recomputed, on every rank alike) and one for the reference. So collectives inside
 the model (an all-to-all, a forward outside the gathered region) always pair up.
 
 With ``router_replay`` (MoE) the decoding forwards record each token's experts; the rows'
-``routes`` are replayed in the old log-probabilities' and the entropy's forwards, and the
-loss replays them in training (``temper.models.layers.route_replay``). The reference routes
-as its own router chooses.
+``routes`` are replayed in the old log-probabilities' forward, and the loss replays them in
+training (``temper.models.layers.route_replay``). The reference routes as its own router
+chooses.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -50,11 +56,12 @@ from temper.objectives.causal_lm import label_log_probs
 from temper.objectives.policy_loss import overlong_penalty
 from temper.objectives.registry import ReferenceMode
 from temper.objectives.rewards import Record, Reward, exact_match
-from temper.objectives.rollout_metrics import rollout_signal_metrics
+from temper.objectives.rollout_metrics import no_signal_groups
 from temper.parallel.ulysses import whole_sequences
 
-LOGITS_BUDGET = 2**28
-"""fp32 logits elements per no-grad forward chunk of the entropy pass (1 GiB)."""
+COMPLETION_LENGTHS = "completion_lengths"
+"""Batch key of each row's completion tokens [rows], counted on the whole row: the per-completion
+losses divide by it, also on a sequence-parallel slice of the row."""
 
 
 @dataclass
@@ -67,6 +74,8 @@ class Sampled:
     routes: torch.Tensor | None = None
     """With router replay: the experts each fed token was routed to (``generate``'s
     columns)."""
+    by_policy: bool = True
+    """The model itself sampled (the native engine), with the weights it trains next."""
 
 
 @dataclass
@@ -74,9 +83,10 @@ class Rollout:
     """What a rollout hands the objective: the training rows and their scores."""
 
     batch: Batch
-    """``input_ids``, ``labels``, ``old_log_probs`` and, with a reference, ``ref_log_probs``;
-    with ``keep_sampler_log_probs``, the sampler's own ``sampler_log_probs``; with
-    ``router_replay``, the sampled tokens' ``routes`` [rows, width, moe_layers, top_k]."""
+    """``input_ids``, ``labels``, ``completion_lengths``, the sampler's own
+    ``sampler_log_probs``, ``old_log_probs`` when recomputed (module docstring) and, with a
+    reference, ``ref_log_probs``; with ``router_replay``, the sampled tokens' ``routes``
+    [rows, width, moe_layers, top_k]."""
     rewards: torch.Tensor
     """[rows] fp32 on CPU: each completion's weighted reward sum, with the overlong
     punishment."""
@@ -104,7 +114,7 @@ class RolloutSampler:
         lockstep_group: ProcessGroup | None = None,
         accuracy: Reward = exact_match,
         overlong: tuple[int, float] = (0, 1.0),
-        keep_sampler_log_probs: bool = False,
+        recompute_old: bool = False,
         compile: bool = False,
         router_replay: bool = False,
     ) -> None:
@@ -127,8 +137,9 @@ class RolloutSampler:
         """The reward reported as the ``accuracy`` metric."""
         self.overlong = overlong
         """(buffer, penalty) of DAPO's soft overlong punishment; buffer 0 = off."""
-        self.keep_sampler_log_probs = keep_sampler_log_probs
-        """Hand the loss the sampler's log-probs (truncated importance sampling)."""
+        self.recompute_old = recompute_old
+        """Run the old log-probs' forward also when the model itself sampled (several updates
+        per rollout; forced on, the path the ratio-1 shortcut is checked against)."""
         self.compile = compile
         """Decode with the compiled static-cache step (``generate(compile=True)``)."""
         self.router_replay = router_replay
@@ -174,12 +185,14 @@ class RolloutSampler:
         recording = recording_routes(model) if self.router_replay else nullcontext()
         with recording as record:
             out = engine.generate(rows, self.params, generator)
-        return Sampled(rows, out, None if record is None else stacked(record))
+        routes = None if record is None else stacked(record)
+        return Sampled(rows, out, routes, by_policy=isinstance(engine, NativeEngine))
 
     @torch.no_grad()
     def score(self, model: nn.Module, prompts: Batch, sampled: Sampled) -> Rollout:
-        """The training rows of ``sampled``, the trainer's own log-probabilities of them (old,
-        entropy, reference: in the mode the loss runs in), the rewards and the metrics."""
+        """The training rows of ``sampled``, the trainer's own log-probabilities of them where
+        the loss needs them (old, reference: in the mode the loss runs in), the rewards and the
+        metrics."""
         rows, device = sampled.rows, prompts["prompt_ids"].device
         out = sampled.generation
         tokens, lengths = out.tokens.to(device), out.lengths.to(device)
@@ -187,50 +200,56 @@ class RolloutSampler:
         routes = None
         if sampled.routes is not None:
             routes = rollout_routes(sampled.routes, rows, lengths, input_ids.shape[1])
-        with replaying_routes(model, routes):
-            old = label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
-        entropy = policy_entropy(model, input_ids, self.loss_temperature, routes)
-        batch = {"input_ids": input_ids, "labels": labels, "old_log_probs": old}
+        completion = labels != IGNORE_INDEX
+        sampler = torch.zeros(input_ids.shape, device=device)
+        sampler[completion] = out.log_probs.to(device)[
+            _completion_mask(lengths, self.max_new_tokens)
+        ].float()
+        batch = {
+            "input_ids": input_ids,
+            "labels": labels,
+            COMPLETION_LENGTHS: completion.sum(dim=1),
+            "sampler_log_probs": sampler,
+        }
+        if self.recompute_old or not sampled.by_policy:
+            with replaying_routes(model, routes):
+                batch["old_log_probs"] = label_log_probs(
+                    model, input_ids, labels, temperature=self.loss_temperature
+                )
         if routes is not None:
             batch[ROUTES] = routes
         if self.with_reference:
             batch["ref_log_probs"] = self._reference_log_probs(model, input_ids, labels)
 
-        completion = labels != IGNORE_INDEX
-        sampler = torch.zeros_like(old)
-        sampler[completion] = out.log_probs.to(device)[
-            _completion_mask(lengths, self.max_new_tokens)
-        ]
-        if self.keep_sampler_log_probs:
-            batch["sampler_log_probs"] = sampler
         records = [decode_record(r) for r in prompts["record_ids"]]
         texts = out.texts(self.tokenizer.decode, self.stop_tokens)
         scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, records)
         rewards = scores["reward"] + self._overlong_penalty(lengths.cpu())
-        n_tokens = completion.sum().clamp(min=1)
         metrics = {name: v.mean().item() for name, v in scores.items() if name != "reward"}
         metrics |= {
             "reward_mean": rewards.mean().item(),
             "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean().item(),
             "response_length": lengths.float().mean().item(),
-            "entropy": (entropy[completion].sum() / n_tokens).item(),
-            "logprob_diff_max": (sampler - old)[completion].abs().max().item(),
+            "no_signal_groups": no_signal_groups(rewards, self.group_size),
         }
-        metrics |= rollout_signal_metrics(rewards, self.group_size, sampler, old, completion)
         return Rollout(batch, rewards, metrics)
 
     def empty_rollout(self, model: nn.Module, rows: int, width: int) -> Batch:
         """Zeros shaped like a rollout of ``model`` of ``rows`` rows ``width`` wide."""
         ids = torch.zeros(rows, width, dtype=torch.long)
-        batch = {"input_ids": ids, "labels": ids.clone(), "old_log_probs": torch.zeros(rows, width)}
+        batch = {
+            "input_ids": ids,
+            "labels": ids.clone(),
+            COMPLETION_LENGTHS: torch.zeros(rows, dtype=torch.long),
+            "sampler_log_probs": torch.zeros(rows, width),
+            "old_log_probs": torch.zeros(rows, width),
+        }
         if self.router_replay:
             layers = routed_layers(model)
             shape = (rows, width, len(layers), layers[0].top_k)
             batch[ROUTES] = torch.zeros(shape, dtype=ROUTE_DTYPE)
         if self.with_reference:
             batch["ref_log_probs"] = torch.zeros(rows, width)
-        if self.keep_sampler_log_probs:
-            batch["sampler_log_probs"] = torch.zeros(rows, width)
         return batch
 
     def _score(
@@ -314,33 +333,3 @@ def rollout_routes(
         start = prompt_width - prompt.numel()
         routes[i, :fed] = columns[i, start : start + fed].to(ROUTE_DTYPE)
     return routes
-
-
-def policy_entropy(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    temperature: float,
-    routes: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The policy's entropy at each position [b, s] fp32, from full logits at ``temperature``
-    computed a few rows at a time (with ``routes`` replayed). The rows per chunk come from the
-    widest row of every rank (one all-reduce), so each rank runs as many forwards as the
-    others: every rank must call this with the same number of rows."""
-    vocab = model.args.vocab_size
-    step = max(1, LOGITS_BUDGET // (agreed_width(input_ids) * vocab))
-    entropy = []
-    for rows in range(0, input_ids.shape[0], step):
-        chunk = None if routes is None else routes[rows : rows + step]
-        with replaying_routes(model, chunk):
-            logits = model(input_ids[rows : rows + step]).float() / temperature
-        lse = logits.logsumexp(dim=-1)
-        entropy.append(lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1))
-    return torch.cat(entropy)
-
-
-def agreed_width(input_ids: torch.Tensor) -> int:
-    """The widest row on any rank (this rank's alone in a single process)."""
-    width = torch.tensor(input_ids.shape[1], device=input_ids.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(width, op=dist.ReduceOp.MAX)
-    return int(width)

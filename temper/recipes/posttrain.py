@@ -104,6 +104,7 @@ def grpo_debug() -> Config:
             max_new_tokens=16,
             temperature=1.0,
             rewards=["exact_match"],
+            loss="dapo",  # the token-level mean this recipe was tuned with (once named grpo)
         ),
         lora=LoRA(enable=True, rank=8, alpha=16.0),
         checkpoint=Checkpoint(
@@ -133,6 +134,7 @@ def grpo_moe_debug() -> Config:
             max_new_tokens=16,
             temperature=1.0,
             rewards=["item_match", "format"],
+            loss="dapo",
         ),
         lora=LoRA(),
         checkpoint=Checkpoint(

@@ -4,7 +4,6 @@ when ranks' rows differ in width (FSDP2) and when ranks stop decoding at differe
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,6 @@ TIMINGS = (
 )
 MEASURED_PREFIXES = ("time_", "mem_")
 """Clock and memory readings (phase timers, per-phase peaks), which no two runs share."""
-ENTROPY_BUDGET_ROWS = 48
-"""The entropy pass's logits budget in rows of this many tokens: several chunks per rollout."""
 
 
 @register_reward("test_brevity")
@@ -60,16 +57,14 @@ def _rollouts_on_rank(config: Config) -> list[dict[str, Any]]:
     """Rank r rolls out prompt set r; one process rolls out both, one after the other."""
     import torch.distributed as dist
 
-    import temper.objectives.rollout as rollout
     from temper.data.chat import BUILTIN_TEMPLATE
     from temper.data.prompts import prompt_dataset
     from temper.engine import Engine
     from temper.objectives import build_objective
 
     engine = Engine(config)
-    vocab = engine.model.args.vocab_size
-    rollout.LOGITS_BUDGET = ENTROPY_BUDGET_ROWS * vocab
     objective = build_objective(config, engine.build_reference)
+    objective.sampler.recompute_old = True  # the scoring forward, on rows of unequal widths
     world = dist.get_world_size() if dist.is_initialized() else 1
     sets = [SHORT, LONG] if world == 1 else [[SHORT, LONG][engine.runtime.rank]]
     results = []
@@ -84,23 +79,20 @@ def _rollouts_on_rank(config: Config) -> list[dict[str, Any]]:
         generator = torch.Generator().manual_seed(rank)
         with engine.autocast():
             batch, metrics = objective.prepare(engine.model, prompts, generator)
-        width = batch["input_ids"].shape[1]
-        own_step = max(1, rollout.LOGITS_BUDGET // (width * vocab))
-        chunks = math.ceil(batch["input_ids"].shape[0] / own_step)
-        results.append({"batch": batch, "metrics": metrics, "own_chunks": chunks})
+        results.append({"batch": batch, "metrics": metrics})
     return results
 
 
 def test_unequal_row_widths_on_two_fsdp_ranks_give_one_process_rollouts(tmp_path: Path) -> None:
-    """Before the fix each rank sized its no-grad chunks from its own widest row and ran them
-    outside the gathered-weights region: rank 1 all-gathered for more forwards than rank 0
-    and the run hung."""
+    """Each rank scores rows of its own width inside the gathered-weights region (once,
+    before the fix, the entropy's no-grad chunks were sized per rank: rank 1 all-gathered for
+    more forwards than rank 0 and the run hung; the entropy now comes from the training
+    forward)."""
     single = run_on_ranks(_rollouts_on_rank, 1, _config(tmp_path / "single"))[0]
     fsdp = run_on_ranks(_rollouts_on_rank, 2, _config(tmp_path / "fsdp"), timeout=120)
     fsdp = [rank[0] for rank in fsdp]
-    # The case the test is for: each rank alone would have run a different number of chunks.
-    assert single[0]["own_chunks"] != single[1]["own_chunks"]
-    assert max(r["own_chunks"] for r in single) > 1
+    widths = [r["batch"]["input_ids"].shape[1] for r in single]
+    assert widths[0] != widths[1]
     for got, want in zip(fsdp, single, strict=True):
         for key in ("input_ids", "labels", "advantages"):
             assert torch.equal(got["batch"][key], want["batch"][key]), key
@@ -279,7 +271,7 @@ def test_grpo_with_accumulation_on_two_data_ranks_rolls_out_like_one_process(
         for j, got in enumerate(fsdp[rank]["rollouts"]):
             want = single["rollouts"][2 * j + rank]
             assert torch.equal(got["input_ids"], want["input_ids"]), (rank, j)
-            torch.testing.assert_close(got["old_log_probs"], want["old_log_probs"])
+            torch.testing.assert_close(got["sampler_log_probs"], want["sampler_log_probs"])
     assert_same_metrics(fsdp[0]["rows"], single["rows"])
 
 

@@ -85,6 +85,7 @@ def _replay_on_rank(config: Config) -> dict[str, Any]:
     model = engine.model
     _tie_experts(model)
     objective = build_objective(config, engine.build_reference)
+    objective.sampler.recompute_old = True  # the old log-probs' forward, replayed
     rank = engine.dims.dp_rank  # the SP ranks of one data rank roll out its prompts alike
     messages = [
         ([{"role": "user", "content": p}], {"prompt": p, "answer": a}) for p, a in PROMPTS[rank]

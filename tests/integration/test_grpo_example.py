@@ -88,9 +88,9 @@ def test_dynamic_sampling_draws_more_prompts_until_groups_have_signal(tmp_path: 
     objective = trainer.objective
     prompts_seen, informative, sample = [], [], objective.prepare
 
-    def prepare(model, prompts, generator):
+    def prepare(model, prompts, generator, engine=None):
         prompts_seen.append(prompts["record_ids"])
-        batch, metrics = sample(model, prompts, generator)
+        batch, metrics = sample(model, prompts, generator, engine)
         informative.append(int((batch["advantages"].view(-1, 2) != 0).any(dim=1).sum()))
         return batch, metrics
 

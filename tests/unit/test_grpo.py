@@ -174,12 +174,13 @@ def test_rollout_records_the_trainers_log_probs_and_the_loss_is_the_formula(fami
     model = materialize(build_model(family, "debug"), torch.device("cpu"))
     objective = _objective()
     batch, metrics = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
-    # The sampler's log-probabilities are the trainer forward's (fp32).
-    assert metrics["logprob_diff_max"] < 1e-5
     completion = batch["labels"] != IGNORE_INDEX
     assert int(completion.sum()) > 0 and batch["input_ids"].shape[0] == 8
+    assert "old_log_probs" not in batch  # the model sampled, one update: no forward for them
+    assert batch["completion_lengths"].tolist() == completion.sum(dim=1).tolist()
     log_probs = label_log_probs(model, batch["input_ids"], batch["labels"])
-    torch.testing.assert_close(log_probs, batch["old_log_probs"], rtol=0, atol=1e-5)
+    # The sampler's log-probabilities are the trainer forward's (fp32).
+    torch.testing.assert_close(log_probs, batch["sampler_log_probs"], rtol=0, atol=1e-5)
     assert batch["advantages"].view(2, 4).sum(1).abs().max() < 1e-5  # centered per group
     # A random model earns no reward; the loss is checked on advantages of both signs.
     batch["advantages"] = torch.linspace(-1.0, 1.0, 8)
@@ -190,9 +191,15 @@ def test_rollout_records_the_trainers_log_probs_and_the_loss_is_the_formula(fami
     assert count == completion.sum()
     assert loss.item() == pytest.approx(want.item(), rel=1e-4, abs=1e-5)
     assert step_metrics["clip_fraction"] == 0.0
+    assert step_metrics["logprob_diff_max"] < 1e-5
+    # The entropy, read from the loss's own (fused, chunked) forward, is the full logits'.
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).float()
+    entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+    assert step_metrics["entropy"].item() == pytest.approx(entropy[completion].mean().item())
 
     # Off-policy: old log-probs lowered by 0.5 make ratio e^0.5 > 1.2, clipped where A > 0.
-    shifted = batch | {"old_log_probs": batch["old_log_probs"] - 0.5}
+    shifted = batch | {"old_log_probs": log_probs.detach() - 0.5}
     loss, _, step_metrics = objective.loss(model, shifted)
     adv = batch["advantages"][:, None].expand_as(completion)
     ratio = torch.exp(log_probs.detach() - shifted["old_log_probs"])
@@ -214,14 +221,69 @@ def test_kl_term_uses_the_reference_log_probs_and_adds_k3() -> None:
     completion = batch["labels"] != IGNORE_INDEX
     with torch.no_grad():
         ref = label_log_probs(reference, batch["input_ids"], batch["labels"])
+        own = label_log_probs(model, batch["input_ids"], batch["labels"])
     torch.testing.assert_close(batch["ref_log_probs"], ref, rtol=0, atol=1e-6)
     batch["advantages"] = torch.linspace(-1.0, 1.0, 8)
 
     loss, _, step_metrics = objective.loss(model, batch)
-    delta = ref - batch["old_log_probs"]  # on-policy: log pi = old
+    delta = ref - own  # on-policy: log pi = old
     k3 = torch.exp(delta) - delta - 1
     policy = -(batch["advantages"][:, None] * completion).sum()
     want = policy + 0.1 * k3[completion].sum()
     assert k3[completion].mean() > 0.01  # two random models: the term is not negligible
     assert loss.item() == pytest.approx(want.item(), rel=1e-4)
     assert step_metrics["kl"] == pytest.approx(k3[completion].mean().item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ["k3", "weighted_k3"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "bnpo", "dr_grpo", "gspo"])
+def test_loss_and_gradient_equal_the_formula_off_policy(name: str, estimator: str) -> None:
+    """Each loss with each KL estimator, off-policy (old log-probs moved by a per-token
+    offset, so some ratios clip), against the formula written out on the same forward's
+    log-probs: the value and every parameter's gradient."""
+    torch.manual_seed(0)
+    model = materialize(build_model("llama3", "debug"), torch.device("cpu"))
+    torch.manual_seed(1)
+    reference = materialize(build_model("llama3", "debug"), torch.device("cpu"))
+    section = GRPOConfig(loss=name, max_new_tokens=8, clip_high=0.28)
+    objective = _objective(
+        kl_coef=0.1, reference=reference, kl_estimator=estimator, policy_loss=section.policy_loss()
+    )
+    batch, _ = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
+    ids, labels = batch["input_ids"], batch["labels"]
+    completion = labels != IGNORE_INDEX
+    with torch.no_grad():
+        own = label_log_probs(model, ids, labels)
+    offset = 0.3 * torch.sin(torch.arange(ids.numel()).view(ids.shape).float())
+    batch["old_log_probs"] = own + offset * completion
+    batch["advantages"] = torch.linspace(-1.0, 1.0, 8)
+
+    loss, count, _ = objective.loss(model, batch)
+    (loss / count).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    logp = label_log_probs(model, ids, labels)
+    n = completion.sum(dim=1)
+    delta = (logp - batch["old_log_probs"]) * completion
+    if name == "gspo":  # one ratio per completion: the geometric mean of its tokens'
+        ratio = torch.exp(delta.sum(dim=1) / n)[:, None].expand_as(logp)
+    else:
+        ratio = torch.exp(delta)
+    adv = batch["advantages"][:, None]
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+    d = batch["ref_log_probs"] - logp
+    kl = torch.exp(d) - d - 1
+    per_token = (per_token + 0.1 * (kl * ratio if estimator == "weighted_k3" else kl)) * completion
+    rows = per_token.shape[0]
+    want = {
+        "grpo": (per_token.sum(1) / n).sum() / rows,
+        "gspo": (per_token.sum(1) / n).sum() / rows,
+        "dapo": per_token.sum() / n.sum(),
+        "bnpo": per_token.sum() / n.sum(),
+        "dr_grpo": per_token.sum() / (rows * 8),
+    }[name]
+    assert (loss / count).item() == pytest.approx(want.item(), rel=1e-5)
+    want.backward()
+    for g, p in zip(got, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-7)

@@ -179,7 +179,8 @@ def test_rollout_records_the_sampling_routes_and_training_replays_them() -> None
     """Without ties the trainer's forward routes every fed token as the sampler's prefill and
     decode steps did (the record is aligned with the rows); with two experts tied, some token
     flips between them, and under replay the training forward routes every token as recorded
-    and its log-probabilities are the old ones to the bit."""
+    and its log-probabilities are the old ones (recomputed, as for several updates per
+    rollout) to the bit."""
     plain = _model(tie=False)
     batch, _ = _objective().prepare(plain, _prompts(), torch.Generator().manual_seed(0))
     fed = fed_positions(batch["labels"])
@@ -189,7 +190,7 @@ def test_rollout_records_the_sampling_routes_and_training_replays_them() -> None
     assert torch.equal(routes[~fed], torch.tensor([0, 1]).expand_as(routes[~fed]).to(routes))
 
     tied = _model(tie=True)
-    objective = _objective()
+    objective = _objective(updates_per_rollout=2)
     batch, _ = objective.prepare(tied, _prompts(), torch.Generator().manual_seed(0))
     fed = fed_positions(batch["labels"])
     flipped = (_free_routes(tied, batch) != batch[ROUTES]).any(-1).any(-1) & fed
@@ -261,9 +262,10 @@ def test_routes_travel_with_the_rows_through_sp_slicing_and_dynamic_sampling() -
 
 def test_routes_survive_a_checkpoint_of_the_rollout_buffer(tmp_path: Path) -> None:
     """The rollout buffer's state saved with DCP and loaded into the template the objective
-    builds for this model gives the routes back, at their own width."""
+    builds for this model gives the routes back, at their own width (a rollout that several
+    updates train on: the only kind a checkpoint holds)."""
     model = _model(tie=False)
-    objective = _objective()
+    objective = _objective(updates_per_rollout=2)
     batch, _ = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
     width = 32
     dcp.save(
