@@ -81,16 +81,27 @@ def _open_metrics(path: Path, resume_step: int) -> IO[str]:
     return handle
 
 
-HEADLINE_METRICS = ("val_loss", "reward_mean", "accuracy", "reward_accuracy", "reward_margin")
-"""An objective's metrics that the console line shows after the loss when present (GRPO's
-reward and sampled accuracy, DPO's reward accuracy and margin) and the validation loss: the
-training loss alone says little."""
+HEADLINE_METRICS = {
+    "val_loss": ".3f",
+    "reward_mean": ".3f",
+    "accuracy": ".3f",
+    "kl": ".2e",
+    "clip_fraction": ".3f",
+    "reward_accuracy": ".3f",
+    "reward_margin": ".3f",
+}
+"""An objective's metrics that the console line shows after the loss when present, with
+their format (GRPO's reward, sampled accuracy, KL and clip fraction, DPO's reward accuracy
+and margin) and the validation loss: the training loss alone says little (GRPO's is about 0
+on every first update, where the ratio is 1 and the advantages are centred)."""
 
 
 def format_line(record: dict[str, Any], total_steps: int | None = None) -> str:
     eta = record.get("eta_seconds", 0.0)
     step = f"{record['step']}/{total_steps}" if total_steps else str(record["step"])
-    headline = "".join(f"{k} {record[k]:.3f}  " for k in HEADLINE_METRICS if k in record)
+    headline = "".join(
+        f"{k} {record[k]:{form}}  " for k, form in HEADLINE_METRICS.items() if k in record
+    )
     return (
         f"step {step:>6}  loss {record['loss']:.4f}  {headline}"
         f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "

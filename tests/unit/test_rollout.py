@@ -102,3 +102,28 @@ def test_skipping_the_redundant_forward_keeps_the_step(tmp_path: Path, dtype: st
     assert metrics_now.keys() == metrics_before.keys()
     for name, value in metrics_before.items():
         torch.testing.assert_close(metrics_now[name], value, rtol=0, atol=1e-6)
+
+
+def test_the_console_line_shows_reward_kl_and_clip_fraction(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GRPO's step line carries what shows learning (its loss is about 0 on an on-policy
+    update): the reward mean, the KL to the reference and the clip fraction, as logged."""
+    import json
+
+    from temper.trainer import Trainer
+
+    config = _config(tmp_path)
+    config.training.steps = 1
+    config.lora.enable = True  # the reference is the policy with its adapters off
+    config.objective.kl_coef = 0.1
+    Trainer(config).train()
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert row["kl"] >= 0 and 0 <= row["clip_fraction"] <= 1
+    want = (
+        f"loss {row['loss']:.4f}  reward_mean {row['reward_mean']:.3f}  "
+        f"accuracy {row['accuracy']:.3f}  kl {row['kl']:.2e}  "
+        f"clip_fraction {row['clip_fraction']:.3f}  grad_norm"
+    )
+    assert want in line
