@@ -13,6 +13,7 @@ from torch import nn
 
 from temper.checkpoint.manager import checkpoint_dir, complete_steps
 from temper.config import Config
+from temper.data.batch import IGNORE_INDEX, Batch
 from temper.models.registry import spec_of
 from temper.parallel.collectives import all_reduce_sum
 
@@ -81,13 +82,66 @@ def stopped_line(step: int, root: Path, checkpointing: bool, cause: str = "Ctrl-
 
 
 def summary_line(
-    steps: int, seconds: float, tokens: int, loss: float | None, root: Path, checkpointing: bool
+    steps: int,
+    seconds: float,
+    counts: dict[str, int],
+    loss: float | None,
+    root: Path,
+    checkpointing: bool,
 ) -> str:
+    """The run's end: its steps and time, what it trained on in named units (``RunCounts``,
+    summed over the data-parallel ranks), the last loss and the checkpoint to export."""
     latest = latest_checkpoint(root) if checkpointing else None
     saved = f"; checkpoint {latest}" if latest is not None else ""
     last = f", last loss {loss:.4f}" if loss is not None else ""
     spent = time.strftime("%H:%M:%S", time.gmtime(seconds))
-    return f"temper: done: {steps} steps in {spent}, {tokens:,} tokens{last}{saved}"
+    pairs = f", {counts['pairs']:,} pairs" if counts.get("pairs") else ""
+    return (
+        f"temper: done: {steps} steps in {spent}, {counts.get('trained_tokens', 0):,} tokens "
+        f"trained, {counts.get('positions', 0):,} positions computed{pairs}{last}{saved}"
+    )
+
+
+class RunCounts:
+    """What this process's steps trained on, counted on the host before a batch moves: the
+    labelled tokens (``trained_tokens``), every position the model ran, padding included
+    (``positions``, what tok/s counts), DPO pairs (``pairs``) and rows without a single
+    label (``empty_label_rows``: they cost a forward and train nothing). Logged as
+    ``data_<name>`` with the loader's counts, and named in the summary."""
+
+    def __init__(self) -> None:
+        self.local = {"trained_tokens": 0, "positions": 0, "pairs": 0, "empty_label_rows": 0}
+        self._announced: set[str] = set()
+
+    def add(self, batch: Batch) -> None:
+        for key, value in batch.items():
+            if key.endswith("input_ids"):
+                self.local["positions"] += value.numel()
+            if key.endswith("labels"):
+                trained = (value != IGNORE_INDEX).flatten(1).sum(1)
+                self.local["trained_tokens"] += int(trained.sum())
+                self.local["empty_label_rows"] += int((trained == 0).sum())
+        if "chosen_input_ids" in batch:
+            self.local["pairs"] += batch["chosen_input_ids"].shape[0]
+
+    def notices(self, step: int, counts: dict[str, int], config: Config) -> list[str]:
+        """One line for each of truncated, dropped and empty-label rows the first time its
+        count (over all data-parallel ranks) is not zero, then nothing more for it."""
+        policy = f"data.max_length_policy {config.data.max_length_policy}"
+        limit = f"training.seq_len + 1 ({config.training.seq_len + 1} tokens)"
+        why = {
+            "truncated": f"samples cut to {limit} ({policy}; data_truncated)",
+            "dropped": f"records skipped: longer than {limit} under {policy}, or with nothing "
+            "to train on (data_dropped)",
+            "empty_label_rows": "rows with no trained token, a forward for nothing "
+            "(data_empty_label_rows)",
+        }
+        lines = []
+        for name, what in why.items():
+            if counts.get(name, 0) and name not in self._announced:
+                self._announced.add(name)
+                lines.append(f"temper: step {step}: {counts[name]:,} {what}")
+        return lines
 
 
 _STOPS = (signal.SIGINT, signal.SIGTERM)

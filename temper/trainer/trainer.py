@@ -23,6 +23,7 @@ from temper.objectives import Objective, RolloutObjective, build_objective, micr
 from temper.objectives.driver import RolloutDriver
 from temper.parallel.collectives import all_reduce_sum, combine_metrics, sum_over_data_ranks
 from temper.trainer.console import (
+    RunCounts,
     StopRequest,
     complete_line,
     resolve_model_fields,
@@ -60,9 +61,10 @@ class Trainer:
         self.objective: Objective = build_objective(config, engine.build_reference)
         self.grad_accum = engine.dims.grad_accum_steps(config.training)
         copies = runtime.world_size // engine.dims.dp  # ranks holding each data rank's lanes
-        sum_counts = partial(sum_over_data_ranks, copies=copies, device=engine.device)
+        self.sum_counts = partial(sum_over_data_ranks, copies=copies, device=engine.device)
+        self.counts = RunCounts()
         self.loader = build_loader(
-            config, engine.tokenizer, engine.dims.dp_rank, engine.dims.dp, sum_counts
+            config, engine.tokenizer, engine.dims.dp_rank, engine.dims.dp, self.sum_counts
         )
         self.driver = None
         if isinstance(self.objective, RolloutObjective):
@@ -156,7 +158,8 @@ class Trainer:
             self.run_lock.release()
         loss = float(metrics["loss"]) if "loss" in metrics else None
         steps, seconds = state.step - self.start_step, time.perf_counter() - started
-        self._say(summary_line(steps, seconds, state.tokens_seen, loss, root, saving))
+        counts = {k.removeprefix("data_"): int(v) for k, v in metrics.items() if k[:5] == "data_"}
+        self._say(summary_line(steps, seconds, counts, loss, root, saving))
         return True
 
     def _save_and_log(self, metrics: StepMetrics, last: bool) -> None:
@@ -196,6 +199,8 @@ class Trainer:
         """
         engine = self.engine
         engine.check_can_step()
+        for micro_batch in micro_batches:
+            self.counts.add(micro_batch)
         micro_batches = [engine.prepare_batch(mb) for mb in micro_batches]
         local = sum(self.objective.count(mb) for mb in micro_batches)
         global_count = all_reduce_sum(torch.as_tensor(local, device=engine.device))
@@ -225,7 +230,10 @@ class Trainer:
             for key, ids in micro_batch.items():
                 if key.endswith("input_ids"):
                     self.throughput.add_rows(ids.shape[0], ids.shape[-1])
-        stats = {f"data_{name}": torch.tensor(float(v)) for name, v in self.loader.stats.items()}
+        counts = self.sum_counts(self.loader.dataset.stats | self.counts.local)
+        for line in self.counts.notices(self.state.step, counts, self.config):
+            self._say(line)
+        stats = {f"data_{name}": torch.tensor(float(v)) for name, v in counts.items()}
         return {"loss": loss, **metrics, **stats}
 
     def _skip_nonfinite(self, error: NonFiniteError) -> StepMetrics:

@@ -146,3 +146,62 @@ def test_a_rank_stopped_by_another_takes_its_signal(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(console, "all_reduce_sum", lambda votes: votes)
     with stop:
         assert not stop.agreed(torch.device("cpu"))
+
+
+def test_run_counts_name_their_units() -> None:
+    """Trained tokens are the labelled positions, positions every one the model ran, pairs a
+    DPO batch's rows; a row without a label is counted (hand-built batches)."""
+    from temper.trainer.console import RunCounts, summary_line
+
+    counts = RunCounts()
+    labels = torch.tensor([[-100, 5, 6, -100], [-100, -100, -100, -100]])
+    counts.add({"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": labels})
+    assert counts.local == {"trained_tokens": 2, "positions": 8, "pairs": 0, "empty_label_rows": 1}
+    pair = {
+        "chosen_input_ids": torch.zeros(3, 5, dtype=torch.long),
+        "chosen_labels": torch.full((3, 5), 7),
+        "rejected_input_ids": torch.zeros(3, 5, dtype=torch.long),
+        "rejected_labels": torch.full((3, 5), -100).index_fill(1, torch.tensor([4]), 1),
+    }
+    counts.add(pair)
+    assert counts.local == {
+        "trained_tokens": 2 + 15 + 3,
+        "positions": 8 + 30,
+        "pairs": 3,
+        "empty_label_rows": 1,
+    }
+    line = summary_line(2, 61.0, counts.local, 0.5, Path("/nowhere"), checkpointing=False)
+    assert line == (
+        "temper: done: 2 steps in 00:01:01, 20 tokens trained, 38 positions computed, 3 pairs, "
+        "last loss 0.5000"
+    )
+
+
+def test_truncation_is_said_once_when_it_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "--module", "temper.recipes.posttrain",
+        "--config", "sft_debug",
+        "--training.steps", "3",
+        "--training.seq_len", "16",
+        "--metrics.no-tensorboard",
+        "--job.dump_folder", str(tmp_path),
+    ]  # fmt: skip
+    assert main(args) == 0
+    lines = stdout_lines(capsys)
+    notices = [line for line in lines if "samples cut to" in line]
+    assert len(notices) == 1, lines
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = next(row for row in rows if row["data_truncated"])
+    assert notices[0] == (
+        f"temper: step {first['step']}: {int(first['data_truncated']):,} samples cut to "
+        "training.seq_len + 1 (17 tokens) (data.max_length_policy truncate; data_truncated)"
+    )
+    last = rows[-1]
+    assert lines[-1].startswith("temper: done: 3 steps in ")
+    assert (
+        f"{int(last['data_trained_tokens']):,} tokens trained, "
+        f"{int(last['data_positions']):,} positions computed, last loss" in lines[-1]
+    )
+    assert int(last["data_positions"]) == 3 * 8 * 16  # steps x rows x seq_len
