@@ -105,7 +105,8 @@ def format_line(record: dict[str, Any], total_steps: int | None = None) -> str:
     return (
         f"step {step:>6}  loss {record['loss']:.4f}  {headline}"
         f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
-        f"tok/s {record['tokens_per_second']:,.0f}  tflops {record['tflops']:.2f}  "
+        f"tok/s {record['tokens_per_second']:,.0f} of {record['computed_tokens_per_second']:,.0f}"
+        f" (packing {record['packing_efficiency']:.1f}%)  tflops {record['tflops']:.2f}  "
         f"mfu {record['mfu']:.1f}%  mem {record['memory_gib']:.2f}GiB  "
         f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}"
     )
@@ -140,8 +141,9 @@ ETA_WINDOW = 20
 
 
 class Throughput:
-    """Tokens/s, TFLOP/s and MFU over the steps since the last log; the ETA from the time per
-    step over about the last ``ETA_WINDOW`` steps."""
+    """Tokens/s, TFLOP/s and MFU of the real (non-padding) tokens over the steps since the
+    last log, beside the positions computed and their ratio (``packing_efficiency``, %); the
+    ETA from the time per step over about the last ``ETA_WINDOW`` steps."""
 
     def __init__(
         self, flops_per_token: Callable[[int], float], peak_flops: float | None, total_steps: int
@@ -150,16 +152,20 @@ class Throughput:
         """Training FLOPs per token of a row of the given width (the model's own count)."""
         self.peak_flops = peak_flops
         self.total_steps = total_steps
-        self._tokens = 0
+        self._tokens = 0.0
+        self._positions = 0
         self._flops = 0.0
         self._start = time.perf_counter()
         self._marks: deque[tuple[int, float]] = deque()
 
-    def add_rows(self, rows: int, width: int) -> None:
-        """``rows`` rows of ``width`` positions ran: every position counts, padding included,
-        since the model computed it, and attention's share is that of rows this wide."""
-        self._tokens += rows * width
-        self._flops += rows * width * self.flops_per_token(width)
+    def add_rows(self, rows: int, width: int, real_share: float = 1.0) -> None:
+        """``rows`` rows of ``width`` positions ran, ``real_share`` of them real tokens (the
+        rest padding, computed for nothing): tokens/s and the model FLOPs count the real ones
+        only, each at the FLOPs per token of a row this wide (attention's share)."""
+        real = rows * width * real_share
+        self._tokens += real
+        self._positions += rows * width
+        self._flops += real * self.flops_per_token(width)
 
     def measure(self, step: int, first_step: int = 1) -> dict[str, float]:
         """Rates since the previous call; `step` is the last finished step."""
@@ -174,9 +180,13 @@ class Throughput:
             self._marks.popleft()
         since_step, since = self._marks[0]
         per_step = (now - since) / max(step - since_step, 1)
-        self._tokens, self._flops, self._start = 0, 0.0, now
+        efficiency = 100.0 * self._tokens / self._positions if self._positions else 100.0
+        computed_per_second = self._positions / elapsed
+        self._tokens, self._positions, self._flops, self._start = 0.0, 0, 0.0, now
         return {
             "tokens_per_second": tokens_per_second,
+            "computed_tokens_per_second": computed_per_second,
+            "packing_efficiency": efficiency,
             "tflops": flops / 1e12,
             "mfu": 100.0 * flops / self.peak_flops if self.peak_flops else 0.0,
             "eta_seconds": per_step * (self.total_steps - step),

@@ -16,7 +16,7 @@ import torch
 from temper.checkpoint.convert import dcp_to_hf
 from temper.checkpoint.manager import DiskFull, checkpoint_dir
 from temper.config import Config, load_config, save_config
-from temper.data.batch import Batch
+from temper.data.batch import Batch, real_share
 from temper.data.loader import build_loader
 from temper.engine import Engine, NonFiniteError
 from temper.objectives import Objective, RolloutObjective, build_objective, micro_batch_scope
@@ -201,6 +201,15 @@ class Trainer:
         engine.check_can_step()
         for micro_batch in micro_batches:
             self.counts.add(micro_batch)
+        # The real (non-padding) share of each sequence, read before the batch moves.
+        shares = [
+            {
+                key: real_share(mb, key.removesuffix("input_ids"))
+                for key in mb
+                if key.endswith("input_ids")
+            }
+            for mb in micro_batches
+        ]
         micro_batches = [engine.prepare_batch(mb) for mb in micro_batches]
         local = sum(self.objective.count(mb) for mb in micro_batches)
         global_count = all_reduce_sum(torch.as_tensor(local, device=engine.device))
@@ -226,10 +235,10 @@ class Trainer:
         except NonFiniteError as error:
             metrics |= self._skip_nonfinite(error)
         # Every sequence the model ran: a DPO pair's chosen and rejected rows both count.
-        for micro_batch in micro_batches:
+        for micro_batch, share in zip(micro_batches, shares, strict=True):
             for key, ids in micro_batch.items():
                 if key.endswith("input_ids"):
-                    self.throughput.add_rows(ids.shape[0], ids.shape[-1])
+                    self.throughput.add_rows(ids.shape[0], ids.shape[-1], share.get(key, 1.0))
         counts = self.sum_counts(self.loader.dataset.stats | self.counts.local)
         for line in self.counts.notices(self.state.step, counts, self.config):
             self._say(line)
