@@ -30,6 +30,9 @@ from temper.data.batch import IGNORE_INDEX
 from temper.kernels.dispatch import Impl, choose
 
 DEFAULT_CHUNK_TOKENS = 1024
+ENTROPY_ROWS = 256
+"""Rows of a logits chunk whose entropy is taken at once, so its fp32 softmax stays small
+(256 x a 152K vocabulary: 156 MB) beside the training forward's activations."""
 
 
 def log_probs_from_logits(
@@ -264,7 +267,11 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
             logits = _chunk_logits(hidden, weight, rows, buffer)
             log_probs[rows], lse[rows] = stats(logits, labels[rows])
             if entropy is not None:
-                entropy[rows] = logits_entropy(logits)
+                out = entropy[rows]
+                for part in range(0, logits.shape[0], ENTROPY_ROWS):
+                    out[part : part + ENTROPY_ROWS] = logits_entropy(
+                        logits[part : part + ENTROPY_ROWS]
+                    )
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_tokens = chunk_tokens
         ctx.impl = impl

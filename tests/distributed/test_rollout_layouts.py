@@ -163,8 +163,10 @@ def _train_recording(config: Config, stop_share: int) -> dict[str, Any]:
     objective.sampler.stop_tokens = set(range(1, vocab, stop_share))
     rollouts, prepare = [], objective.prepare
 
-    def recording(model: torch.nn.Module, prompts: Any, generator: torch.Generator) -> Any:
-        batch, metrics = prepare(model, prompts, generator)
+    def recording(
+        model: torch.nn.Module, prompts: Any, generator: torch.Generator, engine: Any = None
+    ) -> Any:
+        batch, metrics = prepare(model, prompts, generator, engine)
         rollouts.append({k: v.clone() for k, v in batch.items()})
         return batch, metrics
 

@@ -45,6 +45,29 @@ def test_matches_reference_with_masked_labels_and_odd_sizes(tokens: int, chunk: 
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_entropy_from_the_chunks_equals_the_full_softmax(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Asked for it, the forward fills each position's entropy from its chunk's logits (in
+    slices of ENTROPY_ROWS rows): -sum p log p of the full softmax, and the log-probs and
+    gradients are unchanged."""
+    import temper.kernels.cross_entropy as module
+
+    monkeypatch.setattr(module, "ENTROPY_ROWS", 3)  # several slices per 8-token chunk
+    hidden, weight, labels = inputs(37, dim=24, vocab=101)
+    entropy = torch.full((37,), float("nan"))
+    lp, lse = linear_log_probs(hidden, weight, labels, chunk_tokens=8, entropy=entropy)
+    logits = (hidden @ weight.t()).detach()
+    want = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(entropy, want, rtol=1e-5, atol=1e-6)
+    ref_lp, ref_lse = linear_log_probs_reference(hidden, weight, labels)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(losses(lp, lse, labels), (hidden, weight))
+    ref_grads = torch.autograd.grad(losses(ref_lp, ref_lse, labels), (hidden, weight))
+    for got, expected in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_cross_entropy_equals_torch_within_1e5() -> None:
     hidden, weight, labels = inputs(96, dim=32, vocab=257, seed=1)
     lp, _ = linear_log_probs(hidden, weight, labels, chunk_tokens=16)
