@@ -197,6 +197,10 @@ class Data:
     pack: bool = True
     """sft: pack whole samples into rows (isolated by position_ids); else one padded sample a
     row."""
+    pack_buffer: int = 64
+    """sft with pack: samples each lane reads ahead and packs best-fit decreasing (whole
+    samples, the longest that fits first); 1 packs in reading order. Saved with the data
+    state (its tokens), so a resumed run continues exactly."""
     max_length_policy: Literal["truncate", "drop"] = "truncate"
     """sft/preference: a sample longer than training.seq_len + 1 tokens is cut or skipped;
     counts are logged as data_truncated / data_dropped."""

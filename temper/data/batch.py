@@ -33,6 +33,11 @@ Batch = dict[str, "torch.Tensor | SequenceShard"]
 document); preference batches prefix them with ``chosen_`` / ``rejected_``; a
 sequence-parallel slice also holds its ``SequenceShard`` under ``SEQUENCE_SHARD``."""
 
+REAL_TOKENS = "real_tokens"
+"""Batch key [b] (``chosen_``/``rejected_`` prefixed for preference rows): how many of each
+row's positions are not padding (a row's padding comes last). Rows without it are all real
+(packed text). Only the throughput reads it."""
+
 IGNORE_INDEX = -100
 """Label value of a position that does not count in the loss."""
 
@@ -65,3 +70,13 @@ def pad_tokens(t: torch.Tensor, pad: int, value: float = 0) -> torch.Tensor:
     """A per-token field [b, s, ...] right-padded by ``pad`` positions along s (its trailing
     dims, a rollout's routes [b, s, layers, k], kept as they are)."""
     return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad), value=value)
+
+
+def real_share(batch: Batch, prefix: str = "") -> float:
+    """The share of the ``{prefix}input_ids`` positions that are real tokens (1 where the
+    batch does not say): read on the host, before the batch moves, so it syncs nothing."""
+    real = batch.get(prefix + REAL_TOKENS)
+    if real is None:
+        return 1.0
+    ids = batch[prefix + "input_ids"]
+    return float(real.sum()) / ids.numel()  # type: ignore[union-attr]

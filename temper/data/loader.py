@@ -244,6 +244,7 @@ def build_format(config: Config, tokenizer: Tokenizer) -> Format:
             seq_len,
             train_on_prompt=data.train_on_prompt,
             pack=data.pack,
+            pack_buffer=data.pack_buffer,
             policy=data.max_length_policy,
             limits=limits,
         )
@@ -380,6 +381,7 @@ def check_data_config(config: Config, world_size: int) -> None:
         if not source.weight > 0:
             raise ConfigError(f"data.sources.{i}.weight must be > 0, got {source.weight}")
     limits = ("data.template_timeout_s", "data.max_template_chars", "data.max_record_bytes")
+    limits += ("data.pack_buffer",)
     check_positive(config, *limits)
     if data.isolate_documents and data.format != "text":
         raise ConfigError(

@@ -277,8 +277,8 @@ def image_row_builder(
     processor: Qwen2VLImageProcessorPil,
     image_token_id: int,
 ) -> Callable[[Callable[[int], ImageSample | None]], tuple[dict[str, torch.Tensor], int]]:
-    """Row builder for ``ExampleStream``: as ``sft_row_builder``, with each sample's pixels,
-    grids and multimodal positions."""
+    """Row builder for ``ExampleStream``: as ``temper.data.sft.sft_row`` (in reading order),
+    with each sample's pixels, grids and multimodal positions."""
     merge = processor.merge_size
 
     def build(peek: Callable[[int], ImageSample | None]) -> tuple[dict[str, torch.Tensor], int]:

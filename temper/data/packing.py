@@ -9,7 +9,7 @@ dataset's saved position is unchanged by isolation. ``DocumentMask.from_position
 (``temper.kernels.attention``) turns these positions into what attention needs.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -93,3 +93,80 @@ class RowPacker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class BestFitPacker:
+    """Whole samples into rows of ``seq_len`` positions, best-fit decreasing over a lookahead
+    buffer: the buffer is topped up to ``buffer`` samples from the reader, a row opens with
+    its longest sample and then takes, while any fits, the longest that fits the room left
+    (the best fit: it leaves the least). No sample is split, so document isolation is the row
+    builder's as before; ``buffer`` 1 is the old first-fit in reading order.
+
+    A short sample could wait behind ever-better fits, so one that has waited ``buffer`` rows
+    opens the next row instead: every sample is in a row within ``2 * buffer`` rows of being
+    read. Ties go to the sample read first, so the rows are a function of the samples read,
+    as the lanes need (deterministic at any data-parallel size). The buffered samples (tuples
+    of plain lists) and the row count are the state: a resumed lane continues exactly."""
+
+    def __init__(
+        self,
+        seq_len: int,
+        buffer: int,
+        width: Callable[[Any], int],
+        build: Callable[[Sequence[Any]], dict[str, torch.Tensor]],
+    ) -> None:
+        """``width(sample)``: the positions the sample takes in a row (<= ``seq_len``);
+        ``build(samples)``: the row holding ``samples`` in that order."""
+        if buffer < 1:
+            raise ValueError(f"the packing buffer holds at least one sample, got {buffer}")
+        self.seq_len = seq_len
+        self.buffer = buffer
+        self.width = width
+        self.build = build
+        self.waiting: list[tuple[Any, int]] = []
+        """(sample, the row count when it was read), in reading order."""
+        self.rows = 0
+
+    def row(self, reader: LaneReader) -> dict[str, torch.Tensor]:
+        self._top_up(reader)
+        if not self.waiting:
+            raise ValueError("the reader ran out of samples")
+        overdue = self.rows - self.waiting[0][1] >= self.buffer
+        pick = 0 if overdue else self._longest(self.seq_len)
+        chosen: list[Any] = []
+        room = self.seq_len
+        while pick is not None:
+            chosen.append(self.waiting.pop(pick)[0])
+            room -= self.width(chosen[-1])
+            self._top_up(reader)
+            pick = self._longest(room)
+        self.rows += 1
+        return self.build(chosen)
+
+    def _top_up(self, reader: LaneReader) -> None:
+        """Read until ``buffer`` samples wait (fewer where a finite reader ends)."""
+        while len(self.waiting) < self.buffer and reader.peek() is not None:
+            self.waiting.append((reader.take(), self.rows))
+
+    def _longest(self, room: int) -> int | None:
+        """Index of the longest waiting sample of at most ``room`` positions (the first read
+        among equals), or None. A linear scan: a few per row, over a buffer of tens to
+        thousands of samples, is cheap beside tokenizing them."""
+        best, best_width = None, 0
+        for i, (sample, _) in enumerate(self.waiting):
+            width = self.width(sample)
+            if best_width < width <= room:
+                best, best_width = i, width
+        return best
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "waiting": [[list(part) for part in sample] + [read] for sample, read in self.waiting],
+            "rows": self.rows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.waiting = [
+            (tuple(list(part) for part in entry[:-1]), entry[-1]) for entry in state["waiting"]
+        ]
+        self.rows = state["rows"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from temper.data.batch import IGNORE_INDEX
+from temper.data.batch import IGNORE_INDEX, REAL_TOKENS
 from temper.data.chat import (
     DEFAULT_LIMITS,
     RecordError,
@@ -69,6 +69,7 @@ def _row(pair: tuple[Sample, Sample], seq_len: int, pad: int) -> Row:
     row = {}
     for name, sample in zip(("chosen", "rejected"), pair, strict=True):
         row[f"{name}_input_ids"], row[f"{name}_labels"] = _pad(sample, seq_len, pad)
+        row[f"{name}_{REAL_TOKENS}"] = torch.tensor(len(sample[0]) - 1)
     return row
 
 

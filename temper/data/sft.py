@@ -2,10 +2,11 @@
 
 A record holds ``messages``; it is tokenized with the chat template (``temper.data.chat``).
 Its next-token labels are ``ids[1:]`` where that token trains, else ignored. Unpacked, each
-row is one sample, right-padded to ``seq_len``. Packed, whole samples fill a row in order;
-``position_ids`` restart at each sample, so with block-causal attention (``DocumentMask``)
-no token attends to, or is predicted from, another sample. A sample that does not fit in the
-rest of a row starts the next one.
+row is one sample, right-padded to ``seq_len``. Packed, whole samples fill a row, chosen
+best-fit decreasing from a lookahead buffer of ``pack_buffer`` samples
+(``temper.data.packing.BestFitPacker``); ``position_ids`` restart at each sample, so with
+block-causal attention (``DocumentMask``) no token attends to, or is predicted from, another
+sample.
 
 Over-long samples (more than ``seq_len + 1`` tokens) follow ``max_length_policy``: truncate
 keeps the first tokens, drop skips the sample; a sample left with no trained label is
@@ -14,12 +15,14 @@ dropped. Both are counted as the stream reads them and logged with the metrics.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import partial
 from typing import Literal
 
 import torch
 
-from temper.data.batch import IGNORE_INDEX
+from temper.config import Data
+from temper.data.batch import IGNORE_INDEX, REAL_TOKENS
 from temper.data.chat import (
     DEFAULT_LIMITS,
     TemplateLimits,
@@ -27,7 +30,7 @@ from temper.data.chat import (
     read_jsonl,
     tokenize_chat,
 )
-from temper.data.packing import LaneReader, RowPacker
+from temper.data.packing import BestFitPacker, RowPacker
 from temper.data.sources import ListSource, Record
 from temper.data.stream import LaneStream
 from temper.data.tokenizer import Tokenizer
@@ -35,6 +38,8 @@ from temper.data.tokenizer import Tokenizer
 Policy = Literal["truncate", "drop"]
 Sample = tuple[list[int], list[bool]]
 Row = dict[str, torch.Tensor]
+
+PACK_BUFFER = Data.pack_buffer
 
 
 def fit_sample(ids: list[int], trains: list[bool], max_tokens: int, policy: Policy) -> str | None:
@@ -61,31 +66,41 @@ def sample_labels(ids: list[int], trains: list[bool]) -> tuple[list[int], list[i
     return ids[:-1], labels
 
 
-def sft_row_builder(seq_len: int, fill: int, pack: bool) -> Callable[[LaneReader], Row]:
-    """One padded sample a row, or (``pack``) as many whole samples as fit."""
+def sft_row(samples: Sequence[Sample], seq_len: int, fill: int, pack: bool) -> Row:
+    """The row of ``samples`` (whole, in order), right-padded to ``seq_len``; packed rows carry
+    per-sample ``position_ids``, the padding counting as one more. ``REAL_TOKENS`` says how
+    many positions are not padding (the throughput's real work)."""
+    input_ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    for sample in samples:
+        inputs, targets = sample_labels(*sample)
+        input_ids += inputs
+        labels += targets
+        positions += range(len(inputs))
+    pad = seq_len - len(input_ids)
+    row = {
+        "input_ids": torch.tensor(input_ids + [fill] * pad),
+        "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
+        REAL_TOKENS: torch.tensor(len(input_ids)),
+    }
+    if pack:
+        row["position_ids"] = torch.tensor(positions + list(range(pad)))
+    return row
 
-    def build(reader: LaneReader) -> Row:
-        input_ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-        while (sample := reader.peek()) is not None:
-            inputs, targets = sample_labels(*sample)
-            if input_ids and (not pack or len(input_ids) + len(inputs) > seq_len):
-                break
-            reader.take()
-            input_ids += inputs
-            labels += targets
-            positions += range(len(inputs))
-        pad = seq_len - len(input_ids)
-        row = {
-            "input_ids": torch.tensor(input_ids + [fill] * pad),
-            "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
-        }
-        if pack:
-            row["position_ids"] = torch.tensor(positions + list(range(pad)))
-        return row
 
-    return build
+def sample_width(sample: Sample) -> int:
+    """Positions a sample takes in a row: its inputs, all tokens but the last."""
+    return len(sample[0]) - 1
+
+
+def sft_packer(seq_len: int, fill: int, pack: bool, buffer: int) -> BestFitPacker | RowPacker:
+    """One padded sample a row, or (``pack``) whole samples best-fit from ``buffer`` read
+    ahead."""
+    build = partial(sft_row, seq_len=seq_len, fill=fill, pack=pack)
+    if not pack:
+        return RowPacker(lambda reader: build([reader.take()]))
+    return BestFitPacker(seq_len, buffer, sample_width, build)
 
 
 def pad_id(tokenizer: Tokenizer) -> int:
@@ -107,6 +122,7 @@ class SFTFormat:
         *,
         train_on_prompt: bool = False,
         pack: bool = True,
+        pack_buffer: int = PACK_BUFFER,
         policy: Policy = "truncate",
         limits: TemplateLimits = DEFAULT_LIMITS,
     ) -> None:
@@ -115,6 +131,7 @@ class SFTFormat:
         self.seq_len = seq_len
         self.train_on_prompt = train_on_prompt
         self.pack = pack
+        self.pack_buffer = pack_buffer
         self.policy = policy
         self.limits = limits
 
@@ -128,8 +145,8 @@ class SFTFormat:
     def tokens(self, sample: Sample) -> int:
         return len(sample[0])
 
-    def packer(self) -> RowPacker:
-        return RowPacker(sft_row_builder(self.seq_len, pad_id(self.tokenizer), self.pack))
+    def packer(self) -> BestFitPacker | RowPacker:
+        return sft_packer(self.seq_len, pad_id(self.tokenizer), self.pack, self.pack_buffer)
 
 
 def read_sft_records(path: str, limit: int | None = None) -> list[list[dict[str, str]]]:
@@ -148,6 +165,7 @@ def sft_dataset(
     *,
     train_on_prompt: bool = False,
     pack: bool = True,
+    pack_buffer: int = PACK_BUFFER,
     policy: Policy = "truncate",
     seed: int = 0,
     lanes: int = 1,
@@ -157,6 +175,12 @@ def sft_dataset(
     """The SFT row stream of in-memory ``conversations`` (see ``LaneStream`` for ``lanes``)."""
     source = ListSource([{"messages": c} for c in conversations], "conversations")
     fmt = SFTFormat(
-        tokenizer, template, seq_len, train_on_prompt=train_on_prompt, pack=pack, policy=policy
+        tokenizer,
+        template,
+        seq_len,
+        train_on_prompt=train_on_prompt,
+        pack=pack,
+        pack_buffer=pack_buffer,
+        policy=policy,
     )
     return LaneStream([source], fmt, lanes=lanes, dp_rank=dp_rank, dp_world=dp_world, seed=seed)

@@ -105,9 +105,9 @@ def summary_line(
 class RunCounts:
     """What this process's steps trained on, counted on the host before a batch moves: the
     labelled tokens (``trained_tokens``), every position the model ran, padding included
-    (``positions``, what tok/s counts), DPO pairs (``pairs``) and rows without a single
-    label (``empty_label_rows``: they cost a forward and train nothing). Logged as
-    ``data_<name>`` with the loader's counts, and named in the summary."""
+    (``positions``, what ``computed_tokens_per_second`` counts), DPO pairs (``pairs``) and
+    rows without a single label (``empty_label_rows``: they cost a forward and train
+    nothing). Logged as ``data_<name>`` with the loader's counts, and named in the summary."""
 
     def __init__(self) -> None:
         self.local = {"trained_tokens": 0, "positions": 0, "pairs": 0, "empty_label_rows": 0}

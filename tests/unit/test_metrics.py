@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from temper.data.batch import REAL_TOKENS, real_share
 from temper.models.qwen3.args import Qwen3Args
 from temper.models.qwen3.model import Qwen3Transformer
 from temper.trainer import metrics as metrics_module
@@ -104,6 +105,8 @@ TRAINER_ROW = {
     "grad_norm": 0.5,
     "lr": 1e-3,
     "tokens_per_second": 1000.0,
+    "computed_tokens_per_second": 1250.0,
+    "packing_efficiency": 80.0,
     "tflops": 0.1,
     "mfu": 5.0,
     "memory_gib": 1.0,
@@ -121,6 +124,36 @@ def test_logger_writes_jsonl_and_console(tmp_path, capsys) -> None:
     assert any((tmp_path / "tb").iterdir())
     line = capsys.readouterr().out
     assert "step      3  loss 2.5000  grad_norm 0.500" in line and "eta 00:01:01" in line
+    assert "tok/s 1,000 of 1,250 (packing 80.0%)" in line
+
+
+def test_throughput_counts_real_tokens_beside_the_computed_positions(monkeypatch) -> None:
+    """Padded rows, by hand: an SFT micro-batch of 2 rows of 8 positions holding 6 and 4 real
+    tokens, and a DPO pair (1 row a side, 8 wide) of 5 and 3: 18 real tokens of 32 computed
+    in 2 s. Tokens/s and the FLOPs count the 18 only; the 32 and their ratio stand beside."""
+    clock = iter([0.0, 2.0])
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
+    sft = {"input_ids": torch.zeros(2, 8, dtype=torch.long), REAL_TOKENS: torch.tensor([6, 4])}
+    pair = {
+        "chosen_input_ids": torch.zeros(1, 8, dtype=torch.long),
+        f"chosen_{REAL_TOKENS}": torch.tensor([5]),
+        "rejected_input_ids": torch.zeros(1, 8, dtype=torch.long),
+        f"rejected_{REAL_TOKENS}": torch.tensor([3]),
+    }
+    text = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}  # packed text: all real
+    assert real_share(sft) == 10 / 16
+    assert real_share(pair, "chosen_") == 5 / 8 and real_share(pair, "rejected_") == 3 / 8
+    assert real_share(text) == 1.0
+    throughput = Throughput(flops_per_token=lambda width: 100.0, peak_flops=3600.0, total_steps=1)
+    throughput.add_rows(2, 8, real_share(sft))
+    throughput.add_rows(1, 8, real_share(pair, "chosen_"))
+    throughput.add_rows(1, 8, real_share(pair, "rejected_"))
+    rates = throughput.measure(step=1)
+    assert rates["tokens_per_second"] == pytest.approx(18 / 2)
+    assert rates["computed_tokens_per_second"] == pytest.approx(32 / 2)
+    assert rates["packing_efficiency"] == pytest.approx(100 * 18 / 32)
+    assert rates["tflops"] * 1e12 == pytest.approx(18 * 100 / 2)
+    assert rates["mfu"] == pytest.approx(100 * 900 / 3600)  # 25%, where counting padding: 44%
 
 
 def test_console_line_shows_an_objectives_headline_metrics() -> None:

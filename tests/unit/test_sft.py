@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from temper.data.chat import BUILTIN_TEMPLATE
-from temper.data.sft import fit, sft_dataset, sft_row_builder
+from temper.data.sft import fit, sft_dataset, sft_packer
 from temper.data.tasks import preference_pairs, sft_conversations, wrong_answer
 from temper.data.tokenizer import load_tokenizer
 
@@ -30,27 +30,28 @@ class _Reader:
 
 
 def _rows(samples, seq_len: int, pack: bool) -> list[dict[str, list[int]]]:
-    build = sft_row_builder(seq_len, fill=0, pack=pack)
+    """Rows until every sample is in one; packed with a buffer of 1: in reading order."""
+    packer = sft_packer(seq_len, fill=0, pack=pack, buffer=1)
     reader = _Reader(samples)
     rows = []
-    while reader.samples:
-        rows.append({k: v.tolist() for k, v in build(reader).items()})
+    while reader.samples or (pack and packer.waiting):
+        rows.append({k: v.tolist() for k, v in packer.row(reader).items()})
     return rows
 
 
 def test_unpacked_rows_by_hand() -> None:
     assert _rows([A, B], 4, pack=False) == [
-        {"input_ids": [1, 2, 3, 0], "labels": [-100, 3, 4, -100]},
-        {"input_ids": [5, 6, 0, 0], "labels": [6, 7, -100, -100]},
+        {"input_ids": [1, 2, 3, 0], "labels": [-100, 3, 4, -100], "real_tokens": 3},
+        {"input_ids": [5, 6, 0, 0], "labels": [6, 7, -100, -100], "real_tokens": 2},
     ]
 
 
 def test_packed_rows_restart_positions_per_sample() -> None:
     assert _rows([A, B, A], 6, pack=True) == [
         {"input_ids": [1, 2, 3, 5, 6, 0], "labels": [-100, 3, 4, 6, 7, -100],
-         "position_ids": [0, 1, 2, 0, 1, 0]},
+         "real_tokens": 5, "position_ids": [0, 1, 2, 0, 1, 0]},
         {"input_ids": [1, 2, 3, 0, 0, 0], "labels": [-100, 3, 4, -100, -100, -100],
-         "position_ids": [0, 1, 2, 0, 1, 2]},
+         "real_tokens": 3, "position_ids": [0, 1, 2, 0, 1, 2]},
     ]  # fmt: skip
 
 
