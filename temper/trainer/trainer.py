@@ -71,7 +71,8 @@ class Trainer:
             data_rank = (engine.dims.dp_rank, engine.dims.dp)
             self.driver = RolloutDriver(self.objective, engine, config, self.grad_accum, data_rank)
         self.state = self._train_state()
-        self.validation = build_validation(config, engine, self.objective, self.grad_accum)
+        sampler = self.driver.sampler if self.driver is not None else None
+        self.validation = build_validation(config, engine, self.objective, self.grad_accum, sampler)
         # The step to resume first: whether the checkpoint holds a rollout depends on it.
         self.state.step = engine.checkpointer.resume_step or 0
         self.state.step = engine.load(self.state) or 0

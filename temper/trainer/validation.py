@@ -1,7 +1,9 @@
 """Validation during training: every ``validation.interval`` steps, the objective's mean loss
 over the same fixed batches (``validation.steps`` global batches, laid out as training's),
 logged as ``val_loss``; and, with ``validation.generate``, the exact match of greedy answers
-to held-out prompts, logged as ``val_exact_match``.
+to held-out prompts, logged as ``val_exact_match``. An RL run's answers come from its rollout
+engine (``--rollout.engine vllm``: the server, which holds the weights of the update just
+taken, since validation follows the weight push); any other run's from the model itself.
 
 It reads its own loader, rewound to its start each time, runs the model in eval mode without
 gradients and draws no random numbers (answers are greedy), so the training stream and the
@@ -16,16 +18,26 @@ from temper.config import Config
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.loader import build_validation_loader, validation_prompts
 from temper.engine import Engine
-from temper.generation.evaluate import greedy_answers
+from temper.generation.engines import NativeEngine, RolloutEngine
+from temper.generation.evaluate import engine_answers
 from temper.objectives import Objective
 from temper.objectives.rewards import exact_match
 from temper.parallel.collectives import all_reduce_sum
 
 
 class Validation:
-    def __init__(self, config: Config, engine: Engine, objective: Objective, grad_accum: int):
+    def __init__(
+        self,
+        config: Config,
+        engine: Engine,
+        objective: Objective,
+        grad_accum: int,
+        sampler: RolloutEngine | None = None,
+    ):
         self.interval = config.validation.interval
         self.engine = engine
+        self.sampler = sampler or NativeEngine(engine.model)
+        """What answers the held-out prompts: the run's rollout engine, else the model."""
         self.objective = objective
         self.micro_batches = config.validation.steps * grad_accum
         dims, tokenizer = engine.dims, engine.tokenizer
@@ -83,8 +95,8 @@ class Validation:
         """Share of the held-out prompts (all ranks) whose greedy answer is the record's."""
         engine = self.engine
         with engine.autocast():
-            answers = greedy_answers(
-                engine.model,
+            answers = engine_answers(
+                self.sampler,
                 [ids for ids, _ in self.prompts],
                 engine.tokenizer.decode,
                 max_new_tokens=self.max_new_tokens,
@@ -99,9 +111,14 @@ class Validation:
 
 
 def build_validation(
-    config: Config, engine: Engine, objective: Objective, grad_accum: int
+    config: Config,
+    engine: Engine,
+    objective: Objective,
+    grad_accum: int,
+    sampler: RolloutEngine | None = None,
 ) -> Validation | None:
-    """The run's validation, or None when ``validation.interval`` is 0."""
+    """The run's validation, or None when ``validation.interval`` is 0; ``sampler`` is an RL
+    run's rollout engine."""
     if not config.validation.interval:
         return None
-    return Validation(config, engine, objective, grad_accum)
+    return Validation(config, engine, objective, grad_accum, sampler)

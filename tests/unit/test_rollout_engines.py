@@ -1,8 +1,10 @@
 """The rollout engines' parts that need no vLLM: the refusals named before any training step,
-the streamed weight files, vLLM's answers laid out as ``generate``'s."""
+the streamed weight files, vLLM's answers laid out as ``generate``'s, validation answering
+with the run's rollout engine."""
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from temper.config import Config, ConfigError
+from temper.generation.decoding import Generation, generate
+from temper.generation.engines import RolloutEngine, SamplingParams
 from temper.generation.engines.vllm import as_generation, served_weights
 from temper.generation.engines.vllm_client import Completion
 from temper.generation.engines.vllm_server import (
@@ -20,6 +24,7 @@ from temper.generation.engines.vllm_server import (
 )
 from temper.generation.engines.weights import write_weights
 from temper.recipes.posttrain import grpo_debug
+from temper.trainer import Trainer
 
 
 def _fake_python(folder: Path, answer: str) -> str:
@@ -109,3 +114,55 @@ def test_answers_are_laid_out_as_generate_lays_them() -> None:
     assert out.lengths.tolist() == [2, 3]
     assert out.log_probs.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -1.0, -1.0]]
     assert out.finish_reasons == ["stop", "length"]
+
+
+class RecordingEngine:
+    """A rollout engine that hands each call to ``inner`` and keeps what it was asked."""
+
+    def __init__(self, inner: RolloutEngine) -> None:
+        self.inner = inner
+        self.calls: list[tuple[list[list[int]], SamplingParams, Generation]] = []
+
+    def generate(self, prompts, params, generator=None) -> Generation:  # noqa: ANN001
+        out = self.inner.generate(prompts, params, generator)
+        self.calls.append(([list(p) for p in prompts], params, out))
+        return out
+
+    def update_weights(self, weights) -> None:  # noqa: ANN001
+        self.inner.update_weights(weights)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.slow  # a short GRPO run (about 20 s)
+def test_validation_answers_with_the_runs_rollout_engine(tmp_path: Path) -> None:
+    """An RL run's held-out answers come from its rollout engine (vLLM's in a vllm run; the
+    integration module checks that one): here the native one, whose greedy tokens must be
+    the model's own decoding of the held-out prompts after the last update."""
+    config = grpo_debug()
+    config.job.dump_folder = str(tmp_path)
+    config.checkpoint.initial_recipe = None
+    config.metrics.tensorboard = False
+    config.training.steps, config.training.seq_len = 1, 32
+    config.training.local_batch_size = config.training.global_batch_size = 1
+    config.objective.group_size, config.objective.max_new_tokens = 2, 4
+    config.validation.interval, config.validation.generate = 1, 3
+    config.validation.max_new_tokens = 6
+    trainer = Trainer(config)
+    assert trainer.driver is not None and trainer.validation is not None
+    assert trainer.validation.sampler is trainer.driver.sampler
+    recorder = RecordingEngine(trainer.driver.sampler)
+    trainer.validation.sampler = recorder
+    assert trainer.train()
+    assert len(recorder.calls) == 1  # one validation, after the one step
+    prompts, params, got = recorder.calls[0]
+    assert prompts == [ids for ids, _ in trainer.validation.prompts]
+    assert params.temperature == 0.0 and params.max_new_tokens == 6
+    assert params.stop_tokens == frozenset(trainer.validation.stop_tokens)
+    want = generate(
+        trainer.engine.model.eval(), prompts, 6, stop_tokens=trainer.validation.stop_tokens
+    )
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.lengths, want.lengths)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "val_exact_match" in rows[-1]
