@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from temper.config import Config, ConfigError, Parallelism, register_rule
+from temper.models.layers.args import DecoderArgs, MoEArgs
 
 if TYPE_CHECKING:
     from temper.models.registry import ModelSpec
@@ -48,18 +49,19 @@ def check_mtp(mtp_depth: int) -> None:
         )
 
 
-def check_decoder_layout(args: Any, parallelism: Parallelism) -> None:
-    """The rule of the decoders built on ``models/layers``: routed experts (``n_experts``,
-    0 for a dense model) split evenly over ``ep``; attention heads over ``sp``."""
+def check_decoder_layout(args: DecoderArgs, parallelism: Parallelism) -> None:
+    """The rule of the decoders built on ``models/layers``: routed experts (``MoEArgs``'
+    ``n_experts``; none for a dense model) split evenly over ``ep``; attention heads over
+    ``sp``."""
     ep, sp = parallelism.ep, parallelism.sp
-    n_experts = getattr(args, "n_experts", 0)
+    n_experts = args.n_experts if isinstance(args, MoEArgs) else 0
     if ep > 1 and not n_experts:
         raise ConfigError(f"parallelism.ep = {ep} needs a mixture-of-experts model; it has none")
     if ep > 1 and n_experts % ep:
         raise ConfigError(f"parallelism.ep ({ep}) must divide the number of experts ({n_experts})")
     if sp > 1:
-        # MLA (DeepSeek V3) has no grouped keys and values: as many as query heads.
-        check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), sp)
+        # MLA (DeepSeek V3) has no grouped keys and values: its n_kv_heads is n_heads.
+        check_heads(args.n_heads, args.n_kv_heads, sp)
         check_mtp(getattr(args, "mtp_depth", 0))
 
 

@@ -125,9 +125,20 @@ def test_flops_per_token_by_hand() -> None:
 
 def test_args_derive_head_dim_and_reject_bad_heads() -> None:
     assert FLAVORS["3b"].head_dim == 128
-    assert LlamaArgs(64, 1, 4, 2, 10, 32, head_dim=32).head_dim == 32
+    assert (
+        LlamaArgs(
+            dim=64,
+            n_layers=1,
+            n_heads=4,
+            n_kv_heads=2,
+            vocab_size=10,
+            ffn_hidden_dim=32,
+            head_dim=32,
+        ).head_dim
+        == 32
+    )
     with pytest.raises(ValueError, match="n_kv_heads 3"):
-        LlamaArgs(64, 1, 4, 3, 10, 32)
+        LlamaArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=3, vocab_size=10, ffn_hidden_dim=32)
 
 
 def test_rmsnorm_matches_transformers_in_bf16() -> None:

@@ -2,11 +2,12 @@
 
 from dataclasses import dataclass
 
+from temper.models.layers.args import DecoderArgs, MoEArgs
 from temper.models.layers.rope import YarnScaling, yarn_mscale
 
 
-@dataclass
-class DeepseekV3Args:
+@dataclass(kw_only=True)
+class DeepseekV3Args(MoEArgs, DecoderArgs):
     """Shapes and constants of a DeepSeek V3 model (MLA attention, sigmoid-routed experts).
 
     The first ``n_dense_layers`` blocks have a dense SwiGLU of ``ffn_hidden_dim``; the rest an
@@ -14,10 +15,6 @@ class DeepseekV3Args:
     ``topk_group`` best of ``n_groups`` groups) plus ``n_shared_experts`` that see every token.
     """
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int
     ffn_hidden_dim: int
     q_lora_rank: int | None
     """None: queries come straight from ``wq`` (Moonlight, DeepSeek-V2-Lite)."""
@@ -27,21 +24,13 @@ class DeepseekV3Args:
     v_head_dim: int
     n_dense_layers: int
     """HF's ``first_k_dense_replace``."""
-    n_experts: int
     n_shared_experts: int
-    top_k: int
-    moe_hidden_dim: int
     n_groups: int
     topk_group: int
     routed_scaling_factor: float
     norm_topk_prob: bool = True
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: YarnScaling | None = None
     rope_interleave: bool = True
     """Checkpoint q/k rope dims in interleaved pairs (DeepSeek's own layout, HF's default)."""
-    tie_embeddings: bool = False
-    max_seq_len: int = 4096
     router_aux_loss_coef: float = 0.0
     """Weight of the Switch load-balancing loss (on normalized sigmoid affinities). 0: DeepSeek
     V3 balances with the expert bias instead, and transformers' class computes no aux loss."""
@@ -55,10 +44,9 @@ class DeepseekV3Args:
     shared by the depths: each adds ``weight / mtp_depth`` times its cross-entropy."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.mtp_depth < 0:
             raise ValueError(f"mtp_depth {self.mtp_depth} must be >= 0")
-        if not 0 < self.top_k <= self.n_experts:
-            raise ValueError(f"top_k {self.top_k} must be in [1, n_experts = {self.n_experts}]")
         if self.n_experts % self.n_groups or self.n_experts // self.n_groups < 2:
             # Group scores sum each group's two best experts.
             raise ValueError(
@@ -71,6 +59,11 @@ class DeepseekV3Args:
             raise ValueError(
                 f"top_k {self.top_k} exceeds the {self.topk_group} kept groups' experts"
             )
+
+    @property
+    def n_kv_heads(self) -> int:
+        """MLA expands one key and value per query head."""
+        return self.n_heads
 
     @property
     def head_dim(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from temper.models.layers.args import GQAArgs, MoEArgs
 from temper.models.layers.rope import YarnScaling
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -21,20 +22,11 @@ def release_rope() -> YarnScaling:
 
 
 @dataclass(kw_only=True)
-class GptOssArgs:
+class GptOssArgs(MoEArgs, GQAArgs):
     """Shapes and constants of a gpt-oss model: every block is GQA attention with biases and
-    sinks, sliding-window or full (``layer_types``), then a routed MoE (no dense MLP)."""
+    sinks, sliding-window or full (``layer_types``), then a routed MoE (no dense MLP).
+    ``moe_hidden_dim`` is HF's ``intermediate_size``."""
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    n_experts: int
-    top_k: int
-    moe_hidden_dim: int
-    """Each expert's hidden size (HF's ``intermediate_size``)."""
     sliding_window: int = 128
     layer_types: tuple[str, ...] = ()
     """Per layer ``sliding_attention`` or ``full_attention``; empty: alternate, sliding first
@@ -43,14 +35,11 @@ class GptOssArgs:
     swiglu_limit: float = 7.0
     norm_eps: float = 1e-5
     rope_theta: float = 150000.0
-    rope_scaling: YarnScaling | None = None
-    tie_embeddings: bool = False
     max_seq_len: int = 131072
     attention_bias: bool = True
-    router_aux_loss_coef: float = 0.001
-    """Weight of the load-balancing loss; transformers adds it only with output_router_logits."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.layer_types:
             self.layer_types = tuple(LAYER_TYPES[i % 2] for i in range(self.n_layers))
         self.layer_types = tuple(self.layer_types)
@@ -61,12 +50,6 @@ class GptOssArgs:
         unknown = set(self.layer_types) - set(LAYER_TYPES)
         if unknown:
             raise ValueError(f"layer_types {sorted(unknown)} unknown; choose {LAYER_TYPES}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
-            )
-        if not 0 < self.top_k <= self.n_experts:
-            raise ValueError(f"top_k {self.top_k} must be in [1, n_experts = {self.n_experts}]")
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window {self.sliding_window} must be >= 1")
 

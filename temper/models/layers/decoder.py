@@ -2,7 +2,9 @@
 
 Embedding, pre-norm blocks of rotary GQA attention and an MLP, final norm and LM head, with
 optional tied embeddings. A family subclasses ``Decoder`` and sets ``qk_norm`` or overrides
-``attention(layer_id)`` (MLA) and ``feed_forward(layer_id)`` (dense, bias or MoE).
+``attention(layer_id)`` (MLA) and ``feed_forward(layer_id)`` (dense, bias or MoE). Its args
+subclass ``layers.args.DecoderArgs``; the default hooks read ``GQAArgs``' heads and
+``ffn_hidden_dim``, which a family that overrides them (DeepSeek's MLA, gpt-oss) need not have.
 ``attn_backend`` is a run-time choice, not part of the architecture: it never enters the
 state dict. Under sequence parallelism the decoder runs on a slice of each sequence and is
 told so by a ``SequenceShard`` argument.
@@ -11,38 +13,21 @@ told so by a ``SequenceShard`` argument.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import Backend, DocumentMask, prepare_documents
+from temper.models.layers.args import DecoderArgs
 from temper.models.layers.attention import Attention
 from temper.models.layers.init import depth_scaled_std
 from temper.models.layers.kv_cache import KVCache, LayerCache
 from temper.models.layers.mlp import FeedForward
 from temper.models.layers.norm import RMSNorm
-from temper.models.layers.rope import RopeScaling, rope_cos_sin, rope_inv_freq
+from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 
 INIT_STD = 0.02
-
-
-class DecoderArgs(Protocol):
-    """The fields of a family's ModelArgs that the shared skeleton reads."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    ffn_hidden_dim: int
-    norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    tie_embeddings: bool
-    attention_bias: bool
 
 
 class Block(nn.Module):

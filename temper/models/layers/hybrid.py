@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from temper.models.layers.args import GQAArgs, SparseStepMoEArgs
 from temper.models.layers.attention import GatedAttention
 from temper.models.layers.decoder import Decoder
 from temper.models.layers.gated_deltanet import GatedDeltaNet, linear_attention_flops_per_token
@@ -20,7 +21,7 @@ from temper.models.layers.mlp import FeedForward
 from temper.models.layers.moe import MoE
 from temper.models.layers.moe_decoder import MoEDecoder
 from temper.models.layers.norm import ZeroCenteredRMSNorm
-from temper.models.layers.rope import RopeScaling, mrope_cos_sin, rope_inv_freq
+from temper.models.layers.rope import mrope_cos_sin, rope_inv_freq
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -33,15 +34,9 @@ def interval_layer_types(n_layers: int, interval: int = 4) -> tuple[str, ...]:
 
 
 @dataclass(kw_only=True)
-class HybridArgs:
+class HybridArgs(GQAArgs):
     """Shapes of a Gated DeltaNet hybrid; ``linear_*`` size the Gated DeltaNet layers."""
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab_size: int
     ffn_hidden_dim: int
     layer_types: tuple[str, ...]
     linear_n_k_heads: int
@@ -53,14 +48,11 @@ class HybridArgs:
     """Share of each attention head's dims that rotary rotates (the first ones)."""
     mrope_section: tuple[int, int, int] | None = None
     """Frequencies per (time, height, width) axis of multimodal rotary; None: plain rotary."""
-    norm_eps: float = 1e-6
     rope_theta: float = 10000000.0
-    rope_scaling: RopeScaling | None = None
-    tie_embeddings: bool = False
     max_seq_len: int = 262144
-    attention_bias: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.layer_types = tuple(self.layer_types)
         if len(self.layer_types) != self.n_layers:
             raise ValueError(
@@ -69,10 +61,6 @@ class HybridArgs:
         unknown = set(self.layer_types) - set(LAYER_TYPES)
         if unknown:
             raise ValueError(f"layer_types {sorted(unknown)} unknown; choose from {LAYER_TYPES}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
-            )
         if self.linear_n_v_heads % self.linear_n_k_heads:
             raise ValueError(
                 f"linear_n_v_heads {self.linear_n_v_heads} is not a multiple of "
@@ -85,31 +73,11 @@ class HybridArgs:
 
 
 @dataclass(kw_only=True)
-class HybridMoeArgs(HybridArgs):
+class HybridMoeArgs(SparseStepMoEArgs, HybridArgs):
     """A hybrid whose MLPs are routed experts plus a sigmoid-gated shared expert;
     ``ffn_hidden_dim`` sizes the dense layers, if any."""
 
-    n_experts: int
-    top_k: int
-    moe_hidden_dim: int
     shared_expert_hidden_dim: int
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    router_aux_loss_coef: float = 0.001
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.mlp_only_layers = tuple(self.mlp_only_layers)
-        if not 0 < self.top_k <= self.n_experts:
-            raise ValueError(f"top_k {self.top_k} must be in [1, n_experts = {self.n_experts}]")
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        """transformers' rule: not in mlp_only_layers, and layer_id + 1 a multiple of
-        decoder_sparse_step."""
-        return (
-            layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
-        )
 
 
 class HybridDecoder(Decoder):

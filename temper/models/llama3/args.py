@@ -2,37 +2,19 @@
 
 from dataclasses import dataclass
 
+from temper.models.layers.args import GQAArgs
 from temper.models.layers.rope import RopeScaling
 
 
-@dataclass
-class LlamaArgs:
-    """Shapes and constants of a Llama 3 model; ``head_dim`` 0 or None means ``dim // n_heads``."""
+@dataclass(kw_only=True)
+class LlamaArgs(GQAArgs):
+    """Shapes and constants of a Llama 3 model; ``head_dim`` 0 means ``dim // n_heads``."""
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
     ffn_hidden_dim: int
+    mlp_bias: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = None
-    tie_embeddings: bool = False
     max_seq_len: int = 131072
-    head_dim: int = 0
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.head_dim:
-            if self.dim % self.n_heads:
-                raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
-            self.head_dim = self.dim // self.n_heads
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
-            )
 
 
 _LLAMA_3_1_ROPE = RopeScaling(factor=8.0)

@@ -2,35 +2,19 @@
 
 from dataclasses import dataclass
 
-from temper.models.layers.rope import RopeScaling
+from temper.models.layers.args import GQAArgs
 
 
-@dataclass
-class Qwen3Args:
+@dataclass(kw_only=True)
+class Qwen3Args(GQAArgs):
     """Shapes and constants of a Qwen3 model.
 
     ``head_dim`` is a setting of its own (128 in every published size), not ``dim // n_heads``.
     """
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab_size: int
     ffn_hidden_dim: int
-    norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
-    rope_scaling: RopeScaling | None = None
-    tie_embeddings: bool = False
     max_seq_len: int = 40960
-    attention_bias: bool = False
-
-    def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
-            )
 
 
 def _published(

@@ -2,36 +2,13 @@
 
 from dataclasses import dataclass
 
+from temper.models.layers.args import SparseStepMoEArgs
 from temper.models.qwen3.args import Qwen3Args
 
 
 @dataclass(kw_only=True)
-class Qwen3MoeArgs(Qwen3Args):
+class Qwen3MoeArgs(SparseStepMoEArgs, Qwen3Args):
     """Qwen3 plus token-choice experts; ``ffn_hidden_dim`` sizes the dense layers, if any."""
-
-    n_experts: int
-    top_k: int
-    moe_hidden_dim: int
-    norm_topk_prob: bool
-    """Rescale the top-k router probabilities to sum to 1 (True in the published sizes)."""
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    router_aux_loss_coef: float = 0.001
-    """Weight of the load-balancing loss added to the token-mean cross-entropy."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 < self.top_k <= self.n_experts:
-            raise ValueError(f"top_k {self.top_k} must be in [1, n_experts = {self.n_experts}]")
-        if self.decoder_sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1")
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        """transformers' rule: not listed in mlp_only_layers, and layer_id + 1 is a multiple of
-        decoder_sparse_step."""
-        return (
-            layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
-        )
 
 
 def _published(
