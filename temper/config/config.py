@@ -444,6 +444,9 @@ class Checkpoint:
     """Save every N steps; the last step is always saved."""
     keep_latest_k: int = 0
     """Keep only the newest K complete checkpoints; 0 keeps all."""
+    save_on_stop: bool = True
+    """On Ctrl-C or SIGTERM, save the step reached before exiting (unless it was just saved),
+    so a stop loses nothing; a second Ctrl-C during that save exits at once without it."""
     async_mode: bool = False
     """DCP asynchronous save: training waits only for the in-memory staging copy."""
     resume: str = "auto"

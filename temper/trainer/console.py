@@ -3,7 +3,9 @@ resumed, why it stopped, and a summary; and Ctrl-C as a request to stop at a ste
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -148,12 +150,26 @@ _STOPS = (signal.SIGINT, signal.SIGTERM)
 """The signals that ask for a stop at a step boundary, in the order of precedence."""
 
 
+FORCED_EXIT_GRACE_S = 2.0
+"""After a second Ctrl-C, how long the main thread has to raise KeyboardInterrupt (and clean
+up) before the process exits anyway."""
+
+
 class StopRequest:
     """Inside the block, the first Ctrl-C (SIGINT) or SIGTERM only asks the loop to stop at
-    the next step boundary; a second Ctrl-C interrupts at once (KeyboardInterrupt)."""
+    the next step boundary; a second Ctrl-C interrupts at once (KeyboardInterrupt).
+
+    Python runs a signal's handler only when the main thread runs Python code, so during one
+    long operation (a forward, a backward, a collective) two Ctrl-C's would wait for it and
+    count as one. A thread therefore reads every signal from ``signal.set_wakeup_fd`` as it
+    arrives, and on the second Ctrl-C exits the process (130) if the main thread has not
+    within ``FORCED_EXIT_GRACE_S``."""
 
     def __init__(self) -> None:
         self._previous: dict[int, object] = {}
+        self._previous_fd = -1
+        self._write_fd = -1
+        self._left = threading.Event()
         self.signum = 0
         """The signal that asked to stop (0: none yet): this rank's, or once ``agreed`` any
         rank's."""
@@ -162,11 +178,29 @@ class StopRequest:
         self.signum = 0
         for sig in _STOPS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._left = threading.Event()
+        threading.Thread(target=self._watch, args=(read_fd, self._left), daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._left.set()
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._write_fd)  # the watcher reads the end of the pipe and returns
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _watch(read_fd: int, left: threading.Event) -> None:
+        interrupts = 0
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while received := pipe.read(64):
+                interrupts += received.count(signal.SIGINT)
+                if interrupts >= 2 and not left.wait(FORCED_EXIT_GRACE_S):
+                    os.write(2, b"temper: interrupted\n")
+                    os._exit(128 + signal.SIGINT)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum and signum == signal.SIGINT:

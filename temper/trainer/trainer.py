@@ -149,6 +149,7 @@ class Trainer:
                             metrics |= self.validation.run()
                         self._save_and_log(metrics, last)
                     if not last and stop.agreed(engine.device):
+                        self._save_on_stop()
                         engine.checkpointer.wait()
                         self._say(stopped_line(state.step, root, saving, stop.cause))
                         return False
@@ -186,6 +187,15 @@ class Trainer:
             or ("skipped" in metrics)
         ):
             self._log(metrics)
+
+    def _save_on_stop(self) -> None:
+        """A stop keeps the step reached (``checkpoint.save_on_stop``), unless it was just
+        saved."""
+        checkpoint, state = self.config.checkpoint, self.state
+        if checkpoint.enable and checkpoint.save_on_stop and not self._checkpoint_due(False):
+            self._say(f"temper: saving step {state.step} before stopping (Ctrl-C again: exit now)")
+            metadata = {"tokens_seen": state.tokens_seen}
+            self.engine.save(state.step, state, metadata=metadata, wait=True)
 
     def _say(self, line: str) -> None:
         if self.engine.runtime.is_main:

@@ -45,7 +45,7 @@ def test_ctrl_c_stops_at_a_step_boundary_and_the_rerun_resumes(
         return metrics
 
     monkeypatch.setattr(Trainer, "train_step", interrupted_at_5)
-    assert main(args) == 130
+    assert main([*args, "--checkpoint.no_save_on_stop"]) == 130
     lines = stdout_lines(capsys)
     assert lines[-1] == (
         f"temper: stopped at step 5 on Ctrl-C; latest checkpoint {ckpt / 'step-3'}; "
@@ -54,11 +54,21 @@ def test_ctrl_c_stops_at_a_step_boundary_and_the_rerun_resumes(
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]  # step 5 finished, no step 6
 
+    # By default the stop saves the step reached (here step 5 again, after the resume at 3).
+    assert main(args) == 130
+    lines = stdout_lines(capsys)
+    assert lines[1] == f"temper: resumed from step 3/8 ({ckpt / 'step-3'})"
+    assert lines[-2] == "temper: saving step 5 before stopping (Ctrl-C again: exit now)"
+    assert lines[-1] == (
+        f"temper: stopped at step 5 on Ctrl-C; latest checkpoint {ckpt / 'step-5'}; "
+        "rerun the same command to resume"
+    )
+
     monkeypatch.setattr(Trainer, "train_step", step)
     assert main(args) == 0
     lines = stdout_lines(capsys)
-    assert lines[1] == f"temper: resumed from step 3/8 ({ckpt / 'step-3'})"
-    assert lines[-1].startswith("temper: done: 5 steps in ")
+    assert lines[1] == f"temper: resumed from step 5/8 ({ckpt / 'step-5'})"
+    assert lines[-1].startswith("temper: done: 3 steps in ")
     assert lines[-1].endswith(f"; checkpoint {ckpt / 'step-8'}")
 
     assert main(args) == 0
@@ -205,3 +215,36 @@ def test_truncation_is_said_once_when_it_starts(
         f"{int(last['data_positions']):,} positions computed, last loss" in lines[-1]
     )
     assert int(last["data_positions"]) == 3 * 8 * 16  # steps x rows x seq_len
+
+
+SECOND_CTRL_C = """
+import os, signal, sys, torch
+from temper.trainer.console import StopRequest
+with StopRequest():
+    print("blocked", flush=True)
+    torch.futures.Future().wait()  # a C++ wait that never returns and runs no Python handler
+print("returned", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_exits_during_a_long_operation(tmp_path: Path) -> None:
+    """Two Ctrl-C's while the main thread is inside one C++ call (where Python runs no
+    handler): the process exits 130 without the call returning."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    run = subprocess.Popen(
+        [sys.executable, "-c", SECOND_CTRL_C],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert run.stdout is not None and run.stdout.readline() == "blocked\n"
+    run.send_signal(signal.SIGINT)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    assert err.strip() == "temper: interrupted"
+    assert "returned" not in out
