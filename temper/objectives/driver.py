@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from temper.config import Config
@@ -36,8 +37,8 @@ from temper.data.batch import Batch
 from temper.generation.engines import NativeEngine, RolloutEngine
 from temper.generation.engines.vllm import VLLMSettings, start_vllm
 from temper.objectives.dynamic_sampling import DynamicSampling, fill_rollout
-from temper.objectives.registry import RolloutObjective
-from temper.parallel.collectives import combine_metrics
+from temper.objectives.registry import FinishesRollout, RolloutObjective
+from temper.parallel.collectives import all_reduce_sum, combine_metrics
 
 StepRollout = tuple[list[Batch], dict[str, torch.Tensor]]
 """A step's rollout micro-batches and their metrics (over all ranks)."""
@@ -128,7 +129,16 @@ class RolloutDriver:
             if offload:
                 self.engine.restore_optimizer()
         metrics = combine_metrics([m for _, m in results], self.engine.device)
-        return [batch for batch, _ in results], metrics
+        batches = [batch for batch, _ in results]
+        if isinstance(self.objective, FinishesRollout):
+            self.objective.finish_rollout(batches, self._sum_over_data)
+        return batches, metrics
+
+    def _sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the data-parallel ranks (the world's sum over the ranks that
+        hold each data rank's rollout alike: its sequence-parallel peers)."""
+        copies = dist.get_world_size() // self.dp if dist.is_initialized() else 1
+        return all_reduce_sum(value) / copies
 
     def _async_rollout(
         self, batches: Iterator[Batch], step: int

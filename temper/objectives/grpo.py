@@ -48,7 +48,13 @@ from temper.generation.sampling import check_sampling
 from temper.models.fit import model_args
 from temper.models.layers.route_replay import ROUTES, replaying_routes
 from temper.objectives.causal_lm import documents, label_log_probs
-from temper.objectives.policy_loss import AdvantageScale, LossName, PolicyLoss
+from temper.objectives.policy_loss import (
+    ADVANTAGE_EPS,
+    AdvantageScale,
+    LossName,
+    PolicyLoss,
+    batch_std,
+)
 from temper.objectives.registry import (
     Metrics,
     Objective,
@@ -100,8 +106,9 @@ class GRPOConfig(ObjectiveConfig):
     micro-batch's tokens), dr_grpo (rows x max_new_tokens); gspo: one ratio per completion,
     averaged as grpo. TRL's loss_type of the same name; see docs/post-training.md."""
     advantage_scale: AdvantageScale = "group"
-    """The centred rewards are divided by the reward std of their group, of the rollout
-    micro-batch (batch), or not at all (none: Dr. GRPO). TRL's scale_rewards."""
+    """The centred rewards are divided by the reward std of their group, of the whole step's
+    rollout (batch: every micro-batch on every data rank), or not at all (none: Dr. GRPO).
+    TRL's scale_rewards."""
     tis_cap: float | None = None
     """Truncated importance sampling: weigh each token by min(exp(old - sampler), cap),
     the trainer's old log-prob against the sampler's; None = off."""
@@ -391,12 +398,29 @@ class GRPO:
 
     def _with_advantages(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:
         advantages = self.policy_loss.advantages(rollout.rewards, self.group_size)
-        batch = rollout.batch | {"advantages": advantages.to(rollout.batch["input_ids"].device)}
-        return batch, rollout.metrics
+        device = rollout.batch["input_ids"].device
+        scored = {"advantages": advantages.to(device), "rewards": rollout.rewards.to(device)}
+        return rollout.batch | scored, rollout.metrics
+
+    def finish_rollout(
+        self, batches: list[Batch], sum_over_data: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """With ``advantage_scale batch``: every micro-batch's centred advantages divided by
+        the std of all the step's rewards (every micro-batch on every data rank), as TRL
+        divides by the std of its gathered batch. Each data rank computes it alike."""
+        if self.policy_loss.scale != "batch":
+            return
+        rewards = torch.cat([batch["rewards"] for batch in batches]).double()
+        count = torch.tensor(float(rewards.numel()), dtype=torch.float64, device=rewards.device)
+        sums = sum_over_data(torch.stack([count, rewards.sum(), rewards.square().sum()]))
+        scale = (batch_std(sums) + ADVANTAGE_EPS).float()
+        for batch in batches:
+            batch["advantages"] = batch["advantages"] / scale
 
     def empty_rollout(self, model: nn.Module, prompts: int, width: int) -> Batch:
         rows = prompts * self.group_size
-        return self.sampler.empty_rollout(model, rows, width) | {"advantages": torch.zeros(rows)}
+        scored = {"advantages": torch.zeros(rows), "rewards": torch.zeros(rows)}
+        return self.sampler.empty_rollout(model, rows, width) | scored
 
     def micro_batch_scope(self, model: nn.Module, batch: Batch) -> AbstractContextManager[None]:
         """The rollout's routes replayed over a micro-batch's forward and backward (whose

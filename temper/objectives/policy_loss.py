@@ -19,8 +19,9 @@ over and what the sum of the per-token losses is divided by:
   geometric mean of its tokens' ratios), clipped per completion; averaged over completions as
   ``grpo`` (TRL: ``importance_sampling_level="sequence"`` with ``loss_type="grpo"``).
 
-Advantages are ``r - mean_group``, divided by ``std + eps`` of the group (``group``), of the
-rollout micro-batch's rewards (``batch``), or not at all (``none``). A per-token term added to
+Advantages are ``r - mean_group``, divided by ``std + eps`` of the group (``group``), of
+every reward of the step (``batch``: all micro-batches on all data ranks, divided once the
+step's rollout is drawn, ``batch_std``), or not at all (``none``). A per-token term added to
 the loss (the KL) is divided like the policy term, as TRL adds it before normalizing.
 
 The clip range is asymmetric, ``[1 - clip_low, 1 + clip_high]`` (DAPO's clip-higher leaves
@@ -66,8 +67,9 @@ class PolicyLoss:
     """What the centred rewards are divided by the std of (``none``: nothing)."""
 
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-        """Group-relative advantages of the rewards, scaled as ``scale`` says."""
-        return group_advantages(rewards, group_size, self.scale)
+        """Group-relative advantages of the rewards, over the group's std with ``group``
+        (``batch``: still to be divided by ``batch_std`` of the whole step)."""
+        return group_advantages(rewards, group_size, scale=self.scale == "group")
 
     def count(self, completion: torch.Tensor, whole: bool = True) -> torch.Tensor:
         """The units the step's loss is divided by, for completion masks [b, s]: tokens
@@ -153,19 +155,25 @@ class PolicyLoss:
         return gap
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale: AdvantageScale = "group"
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
     """rewards [prompts * group_size], grouped consecutively -> advantages of the same shape:
-    each reward minus its group's mean, over the (unbiased) std of its group (``group``) or of
-    all ``rewards`` (``batch``) plus ``ADVANTAGE_EPS``, or not divided (``none``)."""
+    each reward minus its group's mean, over the group's (unbiased) std + ``ADVANTAGE_EPS``
+    when ``scale``."""
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
-    if scale == "group":
+    if scale:
         centred = centred / (groups.std(dim=1, keepdim=True) + ADVANTAGE_EPS)
-    elif scale == "batch":
-        centred = centred / (rewards.std() + ADVANTAGE_EPS)
     return centred.view(-1)
+
+
+def batch_std(sums: torch.Tensor) -> torch.Tensor:
+    """The unbiased std of rewards from their sums (count, sum, sum of squares) over the whole
+    step, 0 for a single reward, as TRL's ``scale_rewards="batch"`` takes it; the centred
+    advantages are divided by it + ``ADVANTAGE_EPS``."""
+    n, total, squares = sums.double().unbind()
+    if n <= 1:
+        return torch.zeros((), dtype=torch.float64, device=sums.device)
+    return ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt()
 
 
 def clipped_loss(

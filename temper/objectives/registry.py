@@ -106,6 +106,17 @@ def micro_batch_scope(
     return contextlib.nullcontext()
 
 
+@runtime_checkable
+class FinishesRollout(Protocol):
+    """A rollout objective that finishes a step's rollout once all of it is drawn (GRPO's
+    advantages over the reward std of the whole step): ``sum_over_data`` sums a tensor over
+    the data-parallel ranks."""
+
+    def finish_rollout(
+        self, batches: list[Batch], sum_over_data: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None: ...
+
+
 ReferenceMode = Callable[[nn.Module], contextlib.AbstractContextManager[None]]
 
 

@@ -252,19 +252,23 @@ def test_grpo_under_expert_parallelism_with_compiled_rollouts_equals_one_eager_p
     assert_same_metrics(ep[0]["rows"], single["rows"])
 
 
+@pytest.mark.parametrize("scale", ["group", "batch"])
 def test_grpo_with_accumulation_on_two_data_ranks_rolls_out_like_one_process(
-    tmp_path: Path,
+    tmp_path: Path, scale: str
 ) -> None:
     """Two FSDP2 ranks accumulating two one-row micro-batches each, against one process
     accumulating four: rank r's j-th micro-batch holds the global batch's row 2j + r and is
     sampled as the one process samples that row (the sampler was keyed by r * 2 + j, so rows
-    1 and 2 drew each other's samples), and the step's metrics agree."""
+    1 and 2 drew each other's samples), and the step's metrics agree. With
+    ``advantage_scale batch`` the advantages are divided by the std of all four micro-batches'
+    rewards on both layouts."""
     configs = {}
     for name in ("single", "fsdp"):
         config = _config(tmp_path / name)
         config.training.global_batch_size = 4
         config.training.steps = 1
         config.objective.rewards = ["test_brevity"]
+        config.objective.advantage_scale = scale
         configs[name] = config
     single = run_on_ranks(_train_recording, 1, configs["single"], 8)[0]
     fsdp = run_on_ranks(_train_recording, 2, configs["fsdp"], 8)
@@ -274,6 +278,7 @@ def test_grpo_with_accumulation_on_two_data_ranks_rolls_out_like_one_process(
             want = single["rollouts"][2 * j + rank]
             assert torch.equal(got["input_ids"], want["input_ids"]), (rank, j)
             torch.testing.assert_close(got["sampler_log_probs"], want["sampler_log_probs"])
+            torch.testing.assert_close(got["advantages"], want["advantages"])
     assert_same_metrics(fsdp[0]["rows"], single["rows"])
 
 

@@ -211,6 +211,26 @@ def test_rollout_records_the_trainers_log_probs_and_the_loss_is_the_formula(fami
     )
 
 
+def test_batch_scale_divides_by_the_std_of_the_whole_steps_rewards() -> None:
+    """advantage_scale batch: each micro-batch keeps its group-centred advantages until the
+    step's rollout is drawn, then all are divided by the std of every reward of the step
+    (here two micro-batches, the data ranks' sum given as the identity)."""
+    policy = GRPOConfig(advantage_scale="batch", max_new_tokens=8).policy_loss()
+    objective = _objective(group_size=2, policy_loss=policy)
+    first, second = torch.tensor([1.0, 0.0, 2.0, 2.0]), torch.tensor([0.0, 4.0, 1.0, 1.0])
+    batches = [{"rewards": r, "advantages": policy.advantages(r, 2)} for r in (first, second)]
+    objective.finish_rollout(batches, lambda value: value)
+    rewards = torch.cat([first, second])
+    std = math.sqrt(((rewards - rewards.mean()) ** 2).sum().item() / 7)
+    centred = [0.5, -0.5, 0.0, 0.0, -2.0, 2.0, 0.0, 0.0]
+    got = torch.cat([batch["advantages"] for batch in batches])
+    torch.testing.assert_close(got, torch.tensor(centred) / (std + ADVANTAGE_EPS))
+    group = _objective(group_size=2)  # the default, group: finishing leaves them as they are
+    kept = [{"rewards": first, "advantages": first.clone()}]
+    group.finish_rollout(kept, lambda value: value)
+    assert torch.equal(kept[0]["advantages"], first)
+
+
 def test_kl_term_uses_the_reference_log_probs_and_adds_k3() -> None:
     torch.manual_seed(0)
     model = materialize(build_model("llama3", "debug"), torch.device("cpu"))

@@ -16,6 +16,7 @@ from temper.objectives.policy_loss import (
     ADVANTAGE_EPS,
     LossName,
     PolicyLoss,
+    batch_std,
     group_advantages,
     overlong_penalty,
 )
@@ -116,15 +117,15 @@ def test_advantage_scalings_by_hand() -> None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0, 1.0, 1.0, 3.0])
     centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 1.0, -1.0, -1.0, 1.0])
     group_std = torch.tensor([0.5] * 4 + [2 / math.sqrt(3)] * 4)  # unbiased, per group
-    batch_std = math.sqrt(((rewards - 1.125) ** 2).sum().item() / 7)  # unbiased, all eight
-    torch.testing.assert_close(group_advantages(rewards, 4, "none"), centred)
-    torch.testing.assert_close(
-        group_advantages(rewards, 4, "group"), centred / (group_std + ADVANTAGE_EPS)
-    )
-    torch.testing.assert_close(
-        group_advantages(rewards, 4, "batch"), centred / (batch_std + ADVANTAGE_EPS)
-    )
-    assert PolicyLoss("dr_grpo", scale="none").advantages(rewards, 4).tolist() == centred.tolist()
+    batch_std_by_hand = math.sqrt(((rewards - 1.125) ** 2).sum().item() / 7)  # unbiased
+    torch.testing.assert_close(group_advantages(rewards, 4, scale=False), centred)
+    torch.testing.assert_close(group_advantages(rewards, 4), centred / (group_std + ADVANTAGE_EPS))
+    for scale in ("none", "batch"):  # batch: divided once the whole step is drawn
+        got = PolicyLoss("dr_grpo", scale=scale).advantages(rewards, 4)
+        assert got.tolist() == centred.tolist()
+    sums = torch.tensor([8.0, rewards.sum().item(), (rewards**2).sum().item()])
+    assert batch_std(sums).item() == pytest.approx(batch_std_by_hand)
+    assert batch_std(torch.tensor([1.0, 3.0, 9.0])).item() == 0.0  # one reward: no spread
 
 
 def test_gspo_ratio_is_per_completion_by_hand() -> None:
