@@ -129,9 +129,13 @@ def test_matches_transformers(case: str, tmp_path: Path) -> None:
 
 
 def test_matches_transformers_over_several_chunks(tmp_path: Path) -> None:
-    """80 tokens: the chunked rule carries its state across a chunk boundary (64)."""
+    """80 tokens: the chunked rule carries its state across a chunk boundary (64).
+
+    The gradient bound is 3e-5: A_log's gradient (one number per head) sums every token's
+    gate through two chunks' cumulative products, and the two sides order that sum
+    differently; on some CPUs (vectorized exp) it lands at 1.3e-5 of the largest entry."""
     hf = tiny_hf(CASES["qwen3_5_moe_pattern"][0], tmp_path)
-    check_forward_and_grads(hf, load_hf(tmp_path), seq_len=80, logits_rtol=1e-5, grad_rtol=1e-5)
+    check_forward_and_grads(hf, load_hf(tmp_path), seq_len=80, logits_rtol=1e-5, grad_rtol=3e-5)
 
 
 @pytest.mark.parametrize("case", list(CASES))
