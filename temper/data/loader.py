@@ -16,6 +16,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from temper.config import Config, ConfigError, Data, DataSource, check_positive, register_rule
+from temper.data.batch import REAL_TOKENS
 from temper.data.chat import TemplateLimits, check_messages, load_chat_template, render_chat
 from temper.data.multimodal import (
     build_image_dataset,
@@ -77,7 +78,7 @@ class BatchLoader:
             batch = list(itertools.islice(rows, self.batch_size))
             if len(batch) < self.batch_size:
                 return
-            yield self.collate(batch)
+            yield trim_padding(self.collate(batch))
 
     @property
     def stats(self) -> dict[str, int]:
@@ -91,6 +92,27 @@ class BatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.dataset.load_state_dict(state)
+
+
+PAD_MULTIPLE = 64
+"""A trimmed batch's width is a multiple of this (or ``seq_len``): a few distinct shapes, so
+compiled blocks and the allocator's cached blocks are reused, at most 63 padded positions."""
+
+
+def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` without the right padding all its rows share: rows that say how many of
+    their positions are real (``REAL_TOKENS``: SFT rows, preference pairs, both sides alike,
+    as DPO concatenates them) are cut to the longest, rounded up to ``PAD_MULTIPLE``. The cut
+    positions are padding: no label, and after every real token (causal attention), or a
+    document of their own (packed rows), so the loss and gradients are those of the full
+    width, computed on fewer positions."""
+    real = [value for key, value in batch.items() if key.endswith(REAL_TOKENS)]
+    if not real:
+        return batch
+    width = next(v for k, v in batch.items() if k.endswith("input_ids")).shape[1]
+    longest = max(int(r.max()) for r in real)
+    keep = min(width, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+    return {k: v[:, :keep] if v.dim() == 2 and v.shape[1] == width else v for k, v in batch.items()}
 
 
 def stack_rows(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

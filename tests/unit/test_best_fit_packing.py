@@ -16,12 +16,15 @@ from bench.packing import RandomLengths, fill
 from temper.config import Config, ConfigError
 from temper.data.batch import IGNORE_INDEX, REAL_TOKENS
 from temper.data.chat import BUILTIN_TEMPLATE
-from temper.data.loader import check_data_config
+from temper.data.loader import check_data_config, stack_rows, trim_padding
 from temper.data.packing import BestFitPacker
 from temper.data.sft import Sample, sample_labels, sample_width, sft_dataset, sft_packer, sft_row
 from temper.data.tasks import sft_conversations
 from temper.data.tokenizer import load_tokenizer
 from temper.kernels.attention import DocumentMask
+from temper.models.qwen3.args import Qwen3Args
+from temper.models.qwen3.model import Qwen3Transformer
+from temper.objectives import CausalLM
 
 SEQ = 64
 
@@ -181,3 +184,58 @@ def test_pack_buffer_must_be_positive() -> None:
     config.data.pack_buffer = 0
     with pytest.raises(ConfigError, match="data.pack_buffer must be > 0"):
         check_data_config(config, 1)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_trimmed_batches_train_as_the_full_width(pack: bool) -> None:
+    """Rows of 256 positions holding at most 97 real tokens: the loader cuts the batch to
+    128, and the loss, its count and every gradient of a small Qwen3 equal those
+    of the full width (packed rows: their padding is a document of its own; unpacked: it
+    comes after every real token), in float64, where summation order does not show."""
+    samples = _samples(4, seed=4, low=20, high=60)
+    groups = [samples[:2], samples[2:]] if pack else [samples[:1], samples[1:2]]
+    rows = [sft_row(group, 256, fill=0, pack=pack) for group in groups]
+    full = stack_rows(rows)
+    trimmed = trim_padding(full)
+    longest = int(full[REAL_TOKENS].max())
+    assert 64 < longest <= 128 if pack else 32 < longest <= 64
+    assert trimmed["input_ids"].shape == (2, 128 if pack else 64)
+    assert trimmed.keys() == full.keys()
+    torch.manual_seed(0)
+    args = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=1024,
+                     ffn_hidden_dim=48)  # fmt: skip
+    model = Qwen3Transformer(args).double()  # in float32 the sums' order shows (1e-6)
+    results = []
+    for batch in (full, trimmed):
+        model.zero_grad()
+        loss, count, _ = CausalLM().loss(model, batch)
+        loss.backward()
+        results.append((loss.detach(), count, [p.grad.clone() for p in model.parameters()]))
+    (loss_full, n_full, grads_full), (loss_cut, n_cut, grads_cut) = results
+    assert n_full == n_cut
+    torch.testing.assert_close(loss_cut, loss_full, rtol=1e-12, atol=0)
+    for cut, whole in zip(grads_cut, grads_full, strict=True):
+        torch.testing.assert_close(cut, whole, rtol=1e-9, atol=1e-12)
+
+
+def test_a_preference_batch_is_cut_alike_on_both_sides() -> None:
+    """DPO concatenates the two sides, so both keep the width of the longest of either."""
+    ids = torch.zeros(2, 256, dtype=torch.long)
+    batch = {
+        "chosen_input_ids": ids,
+        "chosen_labels": ids,
+        f"chosen_{REAL_TOKENS}": torch.tensor([3, 5]),
+        "rejected_input_ids": ids,
+        "rejected_labels": ids,
+        f"rejected_{REAL_TOKENS}": torch.tensor([70, 2]),
+    }
+    trimmed = trim_padding(batch)
+    assert {k: tuple(v.shape) for k, v in trimmed.items()} == {
+        "chosen_input_ids": (2, 128),
+        "chosen_labels": (2, 128),
+        f"chosen_{REAL_TOKENS}": (2,),
+        "rejected_input_ids": (2, 128),
+        "rejected_labels": (2, 128),
+        f"rejected_{REAL_TOKENS}": (2,),
+    }
+    assert trim_padding({"input_ids": ids, "labels": ids})["input_ids"].shape == (2, 256)
