@@ -20,6 +20,7 @@ SHORT = [("copy: a", "a"), ("copy: b", "b")]
 LONG = [("sort: 9 8 7 6 5 4 3 2 1 0 9 8 7 6", "x"), ("sort: 5 4 3 2 1 0 9 8 7 6 5 4", "y")]
 TIMINGS = (
     "tokens_per_second",
+    "computed_tokens_per_second",
     "tflops",
     "mfu",
     "eta_seconds",
