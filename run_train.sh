@@ -21,13 +21,20 @@ for arg in "$@"; do
     --dry_run) WORLD_SIZE="$((NNODES * NGPU))" exec "$PYTHON" "${recipe[@]}" "$@" ;;
   esac
 done
-WORLD_SIZE="$((NNODES * NGPU))" "$PYTHON" "${recipe[@]}" --check_only "$@" > /dev/null
 
 # One process needs no launcher (unless it is to be restarted): Ctrl-C then reaches the run
-# alone (it stops at a step boundary) instead of also raising in torchrun's agent.
+# alone (it stops at a step boundary) instead of also raising in torchrun's agent. It checks
+# its inputs itself first (--preflight), so everything is imported and read once.
 if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ] && [ "$MAX_RESTARTS" -eq 0 ]; then
-  exec "$PYTHON" "${recipe[@]}" "$@"
+  exec "$PYTHON" "${recipe[@]}" --preflight "$@"
 fi
+# Several: a pre-flight process answers config errors and a finished run (exit 3: nothing
+# to launch) before any rank starts.
+echo "temper: checking the data, tokenizer, chat template, model folder and checkpoints" >&2
+status=0
+WORLD_SIZE="$((NNODES * NGPU))" "$PYTHON" "${recipe[@]}" --check_only "$@" > /dev/null || status=$?
+if [ "$status" -eq 3 ]; then exit 0; fi
+if [ "$status" -ne 0 ]; then exit "$status"; fi
 
 # torchrun's own default, set here so that it does not print a banner saying it chose it.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -12,10 +12,15 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 
 import temper.engine  # noqa: F401  (registers every built-in config rule and objective)
 from temper.config import Config, ConfigError, load_config
 from temper.config.loading import short_help
+
+NOTHING_TO_DO = 3
+"""``--check_only``'s exit code for a run already complete: run_train.sh launches nothing."""
+CHECKED = "the data, tokenizer, chat template, model folder and checkpoints"
 
 DEFAULT_MODULE = "temper.recipes.llama3"
 DEFAULT_CONFIG = "llama3_debug"
@@ -98,7 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="validate the config and every input a run reads (data, tokenizer, chat "
         "template, LoRA targets, checkpoint, run folder), print the config, and exit "
-        "(run_train.sh's pre-flight)",
+        "(run_train.sh's pre-flight before torchrun); exit 3 when the run is already complete",
+    )
+    parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="run the pre-flight checks in this process, then train (run_train.sh's "
+        "one-process launch: one interpreter, one import of everything)",
     )
     args = sys.argv[1:] if argv is None else list(argv)
     known, overrides = parser.parse_known_args(args)
@@ -118,9 +129,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(USAGE)
             overrides = ["--help" if arg == "--help_all" else arg for arg in overrides]
         config = load_config(known.module, known.config, overrides)
-        if known.check_only:
+        if known.check_only or known.preflight:
+            from temper.trainer.console import complete_line, finished_step
             from temper.trainer.preflight import preflight
 
+            finished = finished_step(config)
+            if finished is not None:  # answered before any input is read or rank started
+                root = Path(config.job.dump_folder) / config.checkpoint.folder
+                print(complete_line(finished, root), file=sys.stderr)
+                return NOTHING_TO_DO if known.check_only else 0
+            if known.preflight:  # --check_only keeps stderr to the one line of a refusal
+                print(f"temper: checking {CHECKED}", flush=True)
             preflight(config)
     except ConfigError as err:
         print(f"temper: config error: {err}", file=sys.stderr)

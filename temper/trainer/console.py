@@ -13,7 +13,7 @@ from types import FrameType
 import torch
 from torch import nn
 
-from temper.checkpoint.manager import checkpoint_dir, complete_steps
+from temper.checkpoint.manager import checkpoint_dir, complete_steps, resolve_resume
 from temper.config import Config
 from temper.data.batch import IGNORE_INDEX, Batch
 from temper.models.registry import spec_of
@@ -63,6 +63,21 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def resumed_line(step: int, total: int, root: Path) -> str:
     return f"temper: resumed from step {step}/{total} ({checkpoint_dir(root, step)})"
+
+
+def finished_step(config: Config) -> int | None:
+    """The step of the checkpoint a run would resume from when it is at or past
+    ``training.steps`` (nothing to train), else None: a look at the run folder (sizes, not
+    digests), before anything is read or built. A checkpoint.resume that names no checkpoint
+    is the pre-flight's to report."""
+    if not config.checkpoint.enable:
+        return None
+    root = Path(config.job.dump_folder) / config.checkpoint.folder
+    try:
+        step = resolve_resume(root, config.checkpoint.resume, digests=False)
+    except (OSError, ValueError):
+        return None
+    return step if step is not None and step >= config.training.steps else None
 
 
 def complete_line(step: int, root: Path) -> str:

@@ -57,6 +57,8 @@ class Trainer:
             config.validate(runtime.world_size)
             config.checkpoint.initial_load = train_initial_checkpoint(config, runtime)
         self.config = config
+        if config.model.hf_path is not None and runtime.is_main:
+            print(f"temper: building the model, weights from {config.model.hf_path}", flush=True)
         self.engine = engine = Engine(config, runtime)
         self.objective: Objective = build_objective(config, engine.build_reference)
         self.grad_accum = engine.dims.grad_accum_steps(config.training)

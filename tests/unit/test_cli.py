@@ -70,3 +70,38 @@ def test_help_all_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("usage: MODULE=<module>")
     for flag in ("--training.steps", "--profiling.trace_steps", "--checkpoint.keep_latest_k"):
         assert flag in out
+
+
+def test_a_finished_run_is_answered_before_anything_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rerun of a complete run says so from the run folder alone: the one-process launch
+    (--preflight) exits 0 and --check_only (before torchrun) exits 3, neither building the
+    model nor reading the data; run_train.sh with NGPU=2 then launches nothing and exits 0."""
+    import temper.trainer as trainer_module
+    import temper.trainer.preflight as preflight_module
+
+    run = ["--training.steps", "1", "--training.seq_len", "16", "--metrics.no-tensorboard"]
+    run += ["--checkpoint.enable", "--job.dump_folder", str(tmp_path / "run")]
+    assert main(["--preflight", *run]) == 0
+    capsys.readouterr()
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a finished run built or read something")
+
+    monkeypatch.setattr(trainer_module, "Trainer", refuse)
+    monkeypatch.setattr(preflight_module, "preflight", refuse)
+    step = tmp_path / "run" / "checkpoints" / "step-1"
+    complete = f"temper: the run is already complete at step 1 ({step}); nothing to do"
+    assert main(["--preflight", *run]) == 0
+    assert capsys.readouterr().err.startswith(complete)
+    assert main(["--check_only", *run]) == 3
+    assert capsys.readouterr().err.startswith(complete)
+
+    env = {**os.environ, "TEMPER_PYTHON": sys.executable, "NGPU": "2"}
+    result = subprocess.run(
+        [str(ROOT / "run_train.sh"), *run], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(complete)
+    assert "step " not in result.stdout  # no rank started
