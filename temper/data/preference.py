@@ -1,11 +1,13 @@
 """Preference pairs for DPO: a prompt, a chosen and a rejected answer, as two padded rows.
 
 A JSONL record holds ``prompt``, ``chosen`` and ``rejected``: strings (a user message and
-assistant answers) or message lists (the prompt's turns; the answers' assistant turns). Both
-conversations are rendered with the chat template; the labels train only on the answer's
-assistant tokens. A row carries ``chosen_input_ids``/``chosen_labels`` and
-``rejected_input_ids``/``rejected_labels``, each right-padded to ``seq_len``. An over-long
-pair is truncated or dropped as a whole (``max_length_policy``) and counted.
+assistant answers) or message lists (the prompt's turns; the answers' assistant turns). As
+TRL does, the prompt is rendered with its generation prompt and each answer is the text the
+whole conversation adds after it; only the answer's tokens train, so an assistant turn inside
+a multi-turn prompt enters neither log-probability sum. A row carries
+``chosen_input_ids``/``chosen_labels`` and ``rejected_input_ids``/``rejected_labels``, each
+right-padded to ``seq_len``. An over-long pair is truncated or dropped as a whole
+(``max_length_policy``) and counted.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from temper.data.chat import (
     TemplateLimits,
     check_messages,
     read_jsonl,
-    tokenize_chat,
+    render_chat,
 )
 from temper.data.packing import RowPacker
 from temper.data.sft import Policy, Row, Sample, fit, pad_id, sample_labels
@@ -57,6 +59,31 @@ def read_preference_records(path: str, limit: int | None = None) -> list[Pair]:
     """The pairs of a JSONL file (the first ``limit``); a malformed record fails
     naming its file and line."""
     return [record_pair(record, where) for where, record in read_jsonl(path, limit)]
+
+
+def answer_sample(
+    tokenizer: Tokenizer,
+    template: str,
+    prompt: list[dict[str, str]],
+    answer: list[dict[str, str]],
+    limits: TemplateLimits = DEFAULT_LIMITS,
+) -> Sample:
+    """Ids of ``prompt`` (rendered with its generation prompt, never trained) then of the text
+    ``prompt + answer`` adds after it (all trained), as TRL's DPOTrainer splits a pair.
+
+    Raises ValueError when the template does not render the conversation as a continuation of
+    the prompt (the answer could not be located)."""
+    special = tokenizer.special_tokens
+    head = render_chat(template, prompt, True, limits=limits, **special)
+    full = render_chat(template, prompt + answer, limits=limits, **special)
+    if not full.startswith(head):
+        raise ValueError(
+            "the chat template does not render prompt + answer as a continuation of the prompt "
+            "with its generation prompt, so the answer's tokens cannot be located"
+        )
+    prompt_ids = tokenizer.encode(head)
+    answer_ids = tokenizer.encode(full[len(head) :])
+    return prompt_ids + answer_ids, [False] * len(prompt_ids) + [True] * len(answer_ids)
 
 
 def _pad(sample: Sample, seq_len: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +125,7 @@ class PreferenceFormat:
         prompt, good, bad = record_pair(record, where)
         fitted, outcomes = [], []
         for answer in (good, bad):
-            sample = tokenize_chat(
-                self.tokenizer, self.template, prompt + answer, limits=self.limits
-            )
+            sample = answer_sample(self.tokenizer, self.template, prompt, answer, self.limits)
             kept, outcome = fit(sample, self.seq_len + 1, self.policy)
             fitted.append(kept)
             outcomes.append(outcome)

@@ -1,0 +1,72 @@
+"""Preference rows train the answer's tokens only, against hand-built ids and masks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from temper.data.chat import BUILTIN_TEMPLATE, tokenize_chat
+from temper.data.preference import answer_sample, preference_dataset
+from temper.data.sft import sample_labels
+from temper.data.tokenizer import load_tokenizer
+from temper.objectives.dpo import DPO
+from tests.unit.test_dpo import _FixedLogits
+
+PROMPT = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "2+2?"},
+]
+CHOSEN = [{"role": "assistant", "content": "4"}]
+REJECTED = [{"role": "assistant", "content": "5"}]
+# The built-in template's text of PROMPT with its generation prompt, written out by hand.
+PROMPT_TEXT = (
+    "<|user|>\nhi<|end|>\n<|assistant|>\nhello<|end|>\n<|user|>\n2+2?<|end|>\n<|assistant|>\n"
+)
+
+
+def _hand_sample(answer: str) -> tuple[list[int], list[bool]]:
+    tokenizer = load_tokenizer(None)
+    head, tail = tokenizer.encode(PROMPT_TEXT), tokenizer.encode(f"{answer}<|end|>\n")
+    return head + tail, [False] * len(head) + [True] * len(tail)
+
+
+def test_an_assistant_turn_in_the_prompt_does_not_train() -> None:
+    tokenizer = load_tokenizer(None)
+    sample = answer_sample(tokenizer, BUILTIN_TEMPLATE, PROMPT, CHOSEN)
+    assert sample == _hand_sample("4")
+    # The SFT path, which the format used before, trains the prompt's "hello" turn too.
+    sft_ids, sft_trains = tokenize_chat(tokenizer, BUILTIN_TEMPLATE, PROMPT + CHOSEN)
+    assert sft_ids == sample[0] and sum(sft_trains) > sum(sample[1])
+
+
+def test_rows_and_rewards_count_the_answer_only() -> None:
+    """The padded row's labels are the hand-built ones, and DPO's logged rewards are beta times
+    the policy-minus-reference log-probability of the answer tokens alone."""
+    seq_len = 40
+    pairs = [(PROMPT, CHOSEN, REJECTED)]
+    stream = preference_dataset(pairs, load_tokenizer(None), BUILTIN_TEMPLATE, seq_len)
+    row = next(itertools.islice(iter(stream), 1))
+    for name, answer in (("chosen", "4"), ("rejected", "5")):
+        inputs, labels = sample_labels(*_hand_sample(answer))
+        pad = seq_len - len(inputs)
+        assert row[f"{name}_labels"].tolist() == labels + [-100] * pad
+        assert row[f"{name}_input_ids"][: len(inputs)].tolist() == inputs
+    batch = {key: value.unsqueeze(0) for key, value in row.items()}
+    vocab = int(max(batch["chosen_input_ids"].max(), batch["rejected_input_ids"].max())) + 1
+    policy, reference = _FixedLogits(vocab), _FixedLogits(vocab)
+    with torch.no_grad():
+        reference.table.mul_(0.5)
+
+    def answer_log_prob(model: _FixedLogits, answer: str) -> float:
+        inputs, labels = sample_labels(*_hand_sample(answer))
+        logp = model(torch.tensor(inputs)).log_softmax(-1)
+        return sum(logp[t, label].item() for t, label in enumerate(labels) if label != -100)
+
+    beta = 0.1
+    _, _, metrics = DPO(beta=beta, reference=reference).loss(policy, batch)
+    for name, answer in (("chosen", "4"), ("rejected", "5")):
+        expected = beta * (answer_log_prob(policy, answer) - answer_log_prob(reference, answer))
+        assert metrics[f"rewards_{name}"].item() == pytest.approx(expected, rel=1e-5)
