@@ -1,7 +1,9 @@
 """vLLM as the rollout engine, against the native sampler on the same weights (CPU, fp32):
 greedy tokens equal and log-probabilities within 1e-5, before and after weight pushes; a
 killed server restarted and answering alike; GRPO with asynchronous rollouts at staleness 0
-equal to synchronous, and at staleness 1 sampled by the weights one update old.
+equal to synchronous, and at staleness 1 sampled by the weights one update old; a GRPO run
+with vLLM rollouts raising its reward on the built-in task's prompts; scripts/evaluate.py
+--engine vllm printing what --engine native prints.
 
 One server for the module (about a minute to start): the Trainers here reach it through
 ``--rollout.url``. Skipped when scripts/setup_vllm.sh has not built vLLM's virtualenv; CI
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
+import shutil
 import signal
 from pathlib import Path
 
@@ -18,10 +22,12 @@ import pytest
 import torch
 
 from temper.config import Config
+from temper.data.chat import BUILTIN_TEMPLATE
+from temper.data.tokenizer import builtin_tokenizer_path
 from temper.generation.engines import NativeEngine, SamplingParams
 from temper.generation.engines.vllm import VLLMEngine, VLLMSettings, start_vllm
 from temper.generation.engines.vllm_server import DEFAULT_VENV
-from temper.models.hf import hf_named_tensors
+from temper.models.hf import hf_named_tensors, save_hf
 from temper.objectives import register_reward
 from temper.recipes.posttrain import grpo_debug
 from temper.trainer import Trainer
@@ -43,6 +49,7 @@ def digit_characters(prompt: str, completion: str, answer: str) -> float:
     return sum(c.isdigit() for c in chars) / max(len(chars), 1)
 
 
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 200, 300, 400, 11, 12, 13], [42] * 9]
 
 
@@ -173,3 +180,46 @@ def test_async_at_staleness_1_samples_with_the_previous_weights(server, tmp_path
     # Later ones were drawn by the weights one update before those that score them.
     assert min(step["logprob_diff_max"] for step in steps[1:]) > 1e-3
     assert all(step["weight_push_seconds"] > 0 for step in steps)
+
+
+def test_grpo_with_vllm_rollouts_raises_the_reward(server, tmp_path: Path) -> None:
+    """Eight steps of GRPO on the built-in task's prompts, every rollout sampled by vLLM with
+    the weights pushed after the update before (their log-probabilities are the trainer's),
+    with the validation answers from the server too. The mean reward of the last three steps
+    against the first two's; vLLM's draws are seeded, so the run repeats. Measured: 0.44 ->
+    0.68 with vLLM; the native engine, same settings, at training seeds 0, 1, 2: 0.35 -> 0.89,
+    0.36 -> 0.57, 0.48 -> 0.58 (12 steps at seed 1: 0.38 -> 0.86), so the bar is a rise of
+    0.05, not more."""
+    config = _config(tmp_path / "rise", server.client.url, steps=8)
+    config.lora.enable = False  # every weight moves: a visible rise in 8 steps
+    config.training.local_batch_size = config.training.global_batch_size = 4
+    config.validation.interval, config.validation.generate = 8, 4
+    assert Trainer(config).train()
+    steps = _steps(tmp_path / "rise")
+    rewards = [step["reward_mean"] for step in steps]
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
+    print(f"reward by step {[round(r, 3) for r in rewards]}: {first:.2f} -> {last:.2f}")
+    assert last > first + 0.05, rewards
+    assert all(step["logprob_diff_max"] < 1e-4 for step in steps)  # sampled by current weights
+    assert all(step["weight_push_seconds"] > 0 for step in steps)
+    assert "val_exact_match" in steps[-1]
+
+
+def test_evaluate_script_answers_with_vllm_as_native(server, tmp_path: Path, capsys) -> None:
+    """scripts/evaluate.py on an HF folder: --engine vllm (given the folder's weights through
+    --vllm-url) prints the same answers and score as --engine native."""
+    config = _config(tmp_path / "run")
+    config.lora.enable = False
+    folder = tmp_path / "hf"
+    save_hf(Trainer(config).engine.model, folder)
+    shutil.copy(builtin_tokenizer_path(), folder / "tokenizer.json")
+    (folder / "chat_template.jinja").write_text(BUILTIN_TEMPLATE)
+    evaluate = runpy.run_path(str(ROOT / "scripts" / "evaluate.py"))["main"]
+    args = ["--hf", str(folder), "--count", "8", "--show", "8", "--max-new-tokens", "8"]
+    printed = {}
+    for engine in ("native", "vllm"):
+        url = ["--vllm-url", server.client.url] if engine == "vllm" else []
+        assert evaluate([*args, "--engine", engine, *url]) == 0
+        printed[engine] = capsys.readouterr().out.splitlines()
+    assert printed["vllm"][-1].startswith("exact match")
+    assert printed["vllm"][-9:] == printed["native"][-9:]  # 8 answers and the score
