@@ -1,15 +1,27 @@
-"""Direct Preference Optimization (Rafailov et al., 2023) and IPO (Azar et al., 2023).
+"""Preference objectives on pairs: DPO (Rafailov et al., 2023) and its variants.
 
-Per pair, with summed answer log-probabilities under the policy (``pi``) and the frozen
-reference (``ref``), ``h = (pi_c - ref_c) - (pi_r - ref_r)``:
+Per pair, with the answers' summed log-probabilities under the policy (``pi``) and the frozen
+reference (``ref``), their token counts ``n``, the log-ratios ``r = pi - ref`` and
+``h = r_c - r_r`` (``c`` chosen, ``r`` rejected), and the policy's per-token average
+``a = pi / n``:
 
-- sigmoid: ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)`` (``eps`` = label
-  smoothing: the chance that a label is flipped, Mitchell's conservative DPO);
-- ipo: ``(h - 1 / (2 beta))^2``.
+- sigmoid (DPO, TRL's ``sigmoid``): ``-log sigmoid(beta h)``;
+- cdpo (conservative DPO, Mitchell 2023): ``-(1 - eps) log sigmoid(beta h) - eps log
+  sigmoid(-beta h)``, ``eps`` = ``label_smoothing``, the chance that a label is flipped;
+- ipo (Azar et al., 2023, as the paper writes it): ``(h - 1 / (2 beta))^2``;
+- ipo_norm (TRL's ``ipo``): the same with each log-ratio averaged over its answer's tokens,
+  ``h = r_c / n_c - r_r / n_r``;
+- rpo (Pang et al., 2024): sigmoid plus ``alpha`` times the chosen answer's NLL per token,
+  ``-a_c``;
+- simpo (Meng et al., 2024; no reference): ``-log sigmoid(beta (a_c - a_r) - gamma)``;
+- orpo (Hong et al., 2024; no reference): ``-a_c - beta log sigmoid(log odds)``, with
+  ``log odds = (a_c - log(1 - e^a_c)) - (a_r - log(1 - e^a_r))`` (``beta`` is the paper's
+  lambda).
 
 The loss is per pair, so ``count`` is the number of pairs and the trainer's division makes
-it the mean over the step's pairs. The implicit rewards ``beta (pi - ref)`` give the
-metrics: chosen and rejected rewards, their margin, and how often chosen wins.
+it the mean over the step's pairs. The implicit rewards, ``beta r`` (``beta a`` without a
+reference), give the metrics: chosen and rejected rewards, their margin, and how often
+chosen wins.
 """
 
 from __future__ import annotations
@@ -19,12 +31,13 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+import torch.distributed as dist
 import torch.distributed.nn as dist_nn
 import torch.nn.functional as F
 from torch import nn
 
-from temper.config import Config, ObjectiveConfig, check_positive, check_range
-from temper.data.batch import SEQUENCE_SHARD, Batch, SequenceShard
+from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, check_range
+from temper.data.batch import IGNORE_INDEX, SEQUENCE_SHARD, Batch, SequenceShard
 from temper.objectives.causal_lm import label_log_probs
 from temper.objectives.registry import (
     Metrics,
@@ -34,35 +47,58 @@ from temper.objectives.registry import (
     register_objective,
 )
 
-LossType = Literal["sigmoid", "ipo"]
+LossType = Literal["sigmoid", "cdpo", "ipo", "ipo_norm", "rpo", "simpo", "orpo"]
+
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, SequenceShard | None]
+"""(input ids, labels, position ids, SP shard) of the chosen rows then the rejected ones."""
+
+REFERENCE_FREE: frozenset[str] = frozenset({"simpo", "orpo"})
+"""Loss types that compare the policy with itself: no reference model is built or run."""
 
 
 @register_objective
 @dataclass
 class DPOConfig(ObjectiveConfig):
-    """``--objective.*`` of DPO / IPO on preference pairs."""
+    """``--objective.*`` of DPO and its variants on preference pairs (see the module
+    docstring for each loss)."""
 
     name: str = "dpo"
     """Training objective, as registered with `temper.objectives.register_objective`."""
     beta: float = 0.1
-    """Strength of the pull toward the reference (the KL coefficient)."""
+    """Strength of the pull toward the reference (the KL coefficient); simpo: the reward
+    scale; orpo: lambda, the weight of the odds-ratio term."""
     label_smoothing: float = 0.0
-    """Sigmoid loss: assumed probability that a preference label is flipped."""
+    """cdpo only: assumed probability that a preference label is flipped."""
     loss_type: LossType = "sigmoid"
-    """sigmoid (DPO) or ipo."""
+    """sigmoid (DPO), cdpo (label-smoothed DPO), ipo (summed log-ratios), ipo_norm (per-token
+    log-ratios, TRL's ipo), rpo (DPO + NLL), simpo or orpo (no reference)."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin gamma."""
+    rpo_alpha: float = 1.0
+    """rpo: the weight of the chosen answer's per-token NLL."""
 
     data_formats: ClassVar[tuple[str, ...]] = ("preference",)
 
     def validate(self, config: Config) -> None:
         check_positive(config, "objective.beta")
         check_range(config, "objective.label_smoothing", 0.0, 0.5)
+        if self.label_smoothing and self.loss_type != "cdpo":
+            raise ConfigError(
+                f"objective.label_smoothing applies to objective.loss_type 'cdpo' (conservative "
+                f"DPO), not {self.loss_type!r}; TRL's sigmoid ignores it"
+            )
 
     def build(self, config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
+        references = {}
+        if self.loss_type not in REFERENCE_FREE:
+            references = reference_policy(config, build_reference)
         return DPO(
             beta=self.beta,
             label_smoothing=self.label_smoothing,
             loss_type=self.loss_type,
-            **reference_policy(config, build_reference),
+            simpo_gamma=self.simpo_gamma,
+            rpo_alpha=self.rpo_alpha,
+            **references,
         )
 
 
@@ -82,28 +118,60 @@ def sequence_log_probs(
     return sums
 
 
+def answer_tokens(labels: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+    """Trained labels of each row, as a float for the length-normalized losses; under sequence
+    parallelism the slices' counts are added over the SP group, like ``sequence_log_probs``."""
+    tokens = (labels != IGNORE_INDEX).sum(dim=-1).float()
+    if shard is not None and shard.group is not None:
+        dist.all_reduce(tokens, group=shard.group)
+    return tokens
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - e^x)`` for ``x < 0``, accurate near 0 (expm1) and far below it (log1p)."""
+    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
 def preference_loss(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    ref_chosen: torch.Tensor,
-    ref_rejected: torch.Tensor,
+    policy: torch.Tensor,
+    reference: torch.Tensor | None,
+    tokens: torch.Tensor,
     *,
     beta: float,
-    label_smoothing: float = 0.0,
     loss_type: LossType = "sigmoid",
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    rpo_alpha: float = 1.0,
 ) -> torch.Tensor:
-    """Per-pair losses from per-sequence summed log-probabilities (see the module docstring)."""
-    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-    if loss_type == "ipo":
+    """Per-pair losses (see the module docstring) from rows of chosen answers then rejected
+    ones: summed log-probabilities under the ``policy`` and the ``reference`` (None for a
+    reference-free loss) and answer lengths ``tokens``."""
+    if label_smoothing and loss_type != "cdpo":
+        raise ValueError(f"label_smoothing applies to loss_type 'cdpo', not {loss_type!r}")
+    n = policy.shape[0] // 2
+    average = policy / tokens.clamp(min=1)
+    if loss_type == "simpo":
+        return -F.logsigmoid(beta * (average[:n] - average[n:]) - simpo_gamma)
+    if loss_type == "orpo":
+        odds = average - _log1mexp(average)
+        return -average[:n] - beta * F.logsigmoid(odds[:n] - odds[n:])
+    ratio = policy - reference
+    if loss_type == "ipo_norm":
+        ratio = ratio / tokens.clamp(min=1)
+    h = ratio[:n] - ratio[n:]
+    if loss_type in ("ipo", "ipo_norm"):
         return (h - 1 / (2 * beta)) ** 2
-    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(
-        -beta * h
-    )
+    losses = -(1 - label_smoothing) * F.logsigmoid(beta * h)
+    losses = losses - label_smoothing * F.logsigmoid(-beta * h)
+    if loss_type == "rpo":
+        return losses - rpo_alpha * average[:n]
+    return losses
 
 
 class DPO:
-    """DPO/IPO against a reference: a frozen model, or the policy inside ``reference_mode``
-    (the base with LoRA adapters off) when ``reference`` is None."""
+    """A preference loss against a reference: a frozen model, or the policy inside
+    ``reference_mode`` (the base with LoRA adapters off) when ``reference`` is None; the
+    reference-free losses (simpo, orpo) take neither and run no reference forward."""
 
     def __init__(
         self,
@@ -111,20 +179,35 @@ class DPO:
         beta: float,
         label_smoothing: float = 0.0,
         loss_type: LossType = "sigmoid",
+        simpo_gamma: float = 0.5,
+        rpo_alpha: float = 1.0,
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
     ) -> None:
-        if (reference is None) == (reference_mode is None):
-            raise ValueError("DPO needs exactly one of a reference model or a reference mode")
+        needed = 0 if loss_type in REFERENCE_FREE else 1
+        if (reference is not None) + (reference_mode is not None) != needed:
+            wanted = "exactly one of a reference model or a reference mode" if needed else "none"
+            raise ValueError(f"loss_type {loss_type!r} takes {wanted}")
         self.beta = beta
         self.label_smoothing = label_smoothing
         self.loss_type = loss_type
+        self.simpo_gamma = simpo_gamma
+        self.rpo_alpha = rpo_alpha
         self.reference = reference
         self.reference_mode = reference_mode
 
     def count(self, batch: Batch) -> torch.Tensor:
         """Pairs: the unit the loss is averaged over."""
         return torch.tensor(batch["chosen_input_ids"].shape[0])
+
+    def _reference_log_probs(self, model: nn.Module, rows: Rows) -> torch.Tensor | None:
+        if self.loss_type in REFERENCE_FREE:
+            return None
+        with torch.no_grad():
+            if self.reference is not None:
+                return sequence_log_probs(self.reference, *rows)
+            with self.reference_mode(model):
+                return sequence_log_probs(model, *rows)
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         input_ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
@@ -137,23 +220,21 @@ class DPO:
             positions = torch.cat([batch["chosen_position_ids"], batch["rejected_position_ids"]])
         rows = (input_ids, labels, positions, shard)
         policy = sequence_log_probs(model, *rows)
-        with torch.no_grad():
-            if self.reference is not None:
-                ref = sequence_log_probs(self.reference, *rows)
-            else:
-                with self.reference_mode(model):
-                    ref = sequence_log_probs(model, *rows)
+        ref = self._reference_log_probs(model, rows)
+        tokens = answer_tokens(labels, shard)
         losses = preference_loss(
-            policy[:n],
-            policy[n:],
-            ref[:n],
-            ref[n:],
+            policy,
+            ref,
+            tokens,
             beta=self.beta,
-            label_smoothing=self.label_smoothing,
             loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,
+            simpo_gamma=self.simpo_gamma,
+            rpo_alpha=self.rpo_alpha,
         )
-        chosen = self.beta * (policy[:n] - ref[:n]).detach()
-        rejected = self.beta * (policy[n:] - ref[n:]).detach()
+        implicit = policy / tokens.clamp(min=1) if ref is None else policy - ref
+        rewards = self.beta * implicit.detach()
+        chosen, rejected = rewards[:n], rewards[n:]
         metrics = {
             "rewards_chosen": chosen.mean(),
             "rewards_rejected": rejected.mean(),

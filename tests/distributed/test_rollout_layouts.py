@@ -316,10 +316,11 @@ def test_grpo_under_sequence_parallelism_trains_like_one_process(
             assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), name
 
 
-def _dpo_config(folder: Path, sp: int) -> Config:
+def _dpo_config(folder: Path, sp: int, loss_type: str) -> Config:
     from temper.recipes.posttrain import dpo_debug
 
     config = dpo_debug()
+    config.objective.loss_type = loss_type
     config.job.dump_folder = str(folder)
     config.checkpoint.initial_load = config.checkpoint.initial_recipe = None
     config.metrics.tensorboard = False
@@ -332,11 +333,15 @@ def _dpo_config(folder: Path, sp: int) -> Config:
 
 
 @pytest.mark.slow
-def test_dpo_under_sequence_parallelism_trains_like_one_process(tmp_path: Path) -> None:
-    """SP 2 slices both sides of each pair; the slices' sequence sums meet over the SP group
-    before the preference loss: the steps equal one process's within 1e-5."""
-    single = run_on_ranks(_train_rows, 1, [_dpo_config(tmp_path / "single", 1)])[0]
-    sp = run_on_ranks(_train_rows, 2, [_dpo_config(tmp_path / "sp", 2)])[0]
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+def test_dpo_under_sequence_parallelism_trains_like_one_process(
+    tmp_path: Path, loss_type: str
+) -> None:
+    """SP 2 slices both sides of each pair; the slices' sequence sums (and, for the
+    length-normalized simpo, answer lengths) meet over the SP group before the preference
+    loss: the steps equal one process's within 1e-5."""
+    single = run_on_ranks(_train_rows, 1, [_dpo_config(tmp_path / "single", 1, loss_type)])[0]
+    sp = run_on_ranks(_train_rows, 2, [_dpo_config(tmp_path / "sp", 2, loss_type)])[0]
     assert all(row["grad_norm"] > 0 for row in single)
     assert_same_metrics(sp, single)
     for row, ref in zip(sp, single, strict=True):
