@@ -26,6 +26,7 @@ chosen wins.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -129,7 +130,7 @@ def answer_tokens(labels: torch.Tensor, shard: SequenceShard | None = None) -> t
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - e^x)`` for ``x < 0``, accurate near 0 (expm1) and far below it (log1p)."""
-    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
 def preference_loss(

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from temper.config import ConfigError, load_config
-from temper.objectives.dpo import DPO, preference_loss, sequence_log_probs
+from temper.objectives.dpo import DPO, _log1mexp, preference_loss, sequence_log_probs
 
 POLICY_C, POLICY_R = [-3.0, -5.0], [-4.0, -4.5]
 REF_C, REF_R = [-3.5, -5.0], [-3.5, -4.0]
@@ -172,3 +172,10 @@ def test_label_smoothing_is_refused_outside_cdpo() -> None:
         "temper.recipes.posttrain", "dpo_debug", [*smoothing, "--objective.loss_type", "cdpo"]
     )
     assert cdpo.objective.label_smoothing == 0.1
+
+
+def test_log1mexp_is_accurate_on_both_sides_of_its_switch() -> None:
+    """ORPO's log(1 - p) of a per-token probability p = e^x, against float64 math."""
+    xs = [-1e-6, -0.3, -0.69, -0.7, -5.0]
+    expected = [math.log(-math.expm1(x)) for x in xs]
+    assert _log1mexp(torch.tensor(xs)).tolist() == pytest.approx(expected, rel=1e-6)
