@@ -38,7 +38,11 @@ class Model:
     """Named size of the family (e.g. debug, 1b, 8b)."""
     hf_path: str | None = None
     """Local Hugging Face folder: its config.json sets the family and sizes (name and
-    flavor are then ignored), its safetensors the weights, its tokenizer.json the tokenizer."""
+    flavor are then ignored), its safetensors the weights, its tokenizer.json the tokenizer.
+    A repository id (Qwen/Qwen3-8B) names its snapshot in the local Hugging Face cache."""
+    allow_download: bool = False
+    """hf_path as a repository id that is not in the local cache: download it (network) instead
+    of refusing."""
     attn: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Attention backend (block-causal over packed documents): sdpa with an explicit mask
     (reference, CPU training), flex (FlexAttention; CUDA, forward only on CPU), varlen (flash,

@@ -1,5 +1,7 @@
 """Native model families; importing this package registers the built-in ones."""
 
+# First: a repository id in model.hf_path becomes its folder before any rule reads it.
+import temper.models.hub  # noqa: F401
 from temper.models import deepseek_v3 as deepseek_v3
 from temper.models import gpt_oss as gpt_oss
 from temper.models import llama3 as llama3
