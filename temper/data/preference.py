@@ -50,8 +50,13 @@ def record_pair(record: Record, where: str) -> Pair:
     chosen = _turns(record.get("chosen"), where, "chosen", "assistant")
     rejected = _turns(record.get("rejected"), where, "rejected", "assistant")
     for field, answer in (("chosen", chosen), ("rejected", rejected)):
-        if not any(m["role"] == "assistant" for m in answer):
-            raise RecordError(f"{where}: {field!r} has no assistant message")
+        for j, message in enumerate(answer):
+            if message["role"] != "assistant":
+                raise RecordError(
+                    f"{where}: {field}[{j}].role is {message['role']!r}; an answer holds "
+                    "assistant turns only (every token after the prompt trains), earlier turns "
+                    "go in 'prompt'"
+                )
     return prompt, chosen, rejected
 
 

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from temper.data.chat import BUILTIN_TEMPLATE, tokenize_chat
-from temper.data.preference import answer_sample, preference_dataset
+from temper.data.chat import BUILTIN_TEMPLATE, RecordError, tokenize_chat
+from temper.data.preference import answer_sample, preference_dataset, record_pair
 from temper.data.sft import sample_labels
 from temper.data.tokenizer import load_tokenizer
 from temper.objectives.dpo import DPO
@@ -70,3 +70,10 @@ def test_rows_and_rewards_count_the_answer_only() -> None:
     for name, answer in (("chosen", "4"), ("rejected", "5")):
         expected = beta * (answer_log_prob(policy, answer) - answer_log_prob(reference, answer))
         assert metrics[f"rewards_{name}"].item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_an_answer_with_a_non_assistant_turn_is_refused_by_name() -> None:
+    """Every token after the prompt trains, so a user turn inside an answer would too."""
+    record = {"prompt": PROMPT, "chosen": CHOSEN + PROMPT[:1], "rejected": REJECTED}
+    with pytest.raises(RecordError, match=r"pairs.jsonl:3: chosen\[1\].role is 'user'"):
+        record_pair(record, "pairs.jsonl:3")
