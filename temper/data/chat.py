@@ -2,9 +2,11 @@
 
 A conversation is rendered with a Jinja chat template the way ``transformers`` renders it
 (sandboxed, ``trim_blocks`` and ``lstrip_blocks``, with the tokenizer's special tokens
-(``bos_token``, ``eos_token``, ...), ``strftime_now``, and ``tools`` / ``documents`` as None),
-either the model folder's or the
-built-in one for the built-in tokenizer. To know which tokens an assistant wrote, the
+(``bos_token``, ``eos_token``, ...), ``strftime_now``, ``tools`` (a record's function
+descriptions, else None) and ``documents`` as None), either the model folder's or the built-in
+one for the built-in tokenizer. Messages may be ``tool`` results and assistant turns may carry
+``tool_calls``; the template decides how they read, and the assistant's calls train with its
+turn while tool results are prompt. To know which tokens an assistant wrote, the
 conversation is rendered turn by turn: the text up to an assistant turn with the generation
 prompt, then through that turn; the difference is the assistant's. Each piece is tokenized on
 its own, so a token never straddles a prompt/answer boundary. A template that marks the
@@ -42,6 +44,8 @@ from temper.data.tokenizer import Tokenizer
 from temper.utils.paths import inside
 
 ROLES = ("system", "user", "assistant")
+CHAT_ROLES = (*ROLES, "tool")
+"""The roles of text chat records: ``tool`` holds a tool's result (image records keep ROLES)."""
 
 BUILTIN_TEMPLATE = (
     "{% for message in messages %}"
@@ -51,7 +55,13 @@ BUILTIN_TEMPLATE = (
 )
 """The template of the built-in tokenizer: a role token, the content, ``<|end|>`` per turn."""
 
-Message = dict[str, str]
+Message = dict[str, Any]
+"""``role``, ``content`` and, by role, ``tool_calls`` (assistant), ``name`` / ``tool_call_id``
+(tool)."""
+
+Tool = dict[str, Any]
+"""A function description as transformers takes it: ``{"type": "function", "function": {"name",
+"description", "parameters"}}``."""
 
 
 class TemplateError(ValueError):
@@ -151,6 +161,20 @@ def _result_size(operator: str, left: Any, right: Any) -> float:
     return 0
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """``tojson`` with transformers' options and defaults (no ASCII escapes, no HTML escapes),
+    so a tool schema or call renders to the same characters."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -163,7 +187,7 @@ def _compile(template: str, max_chars: int) -> jinja2.Template:
         lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols", GenerationSpans],
     )
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return env.from_string(template)
@@ -220,12 +244,15 @@ def render_chat(
     messages: Sequence[Message],
     add_generation_prompt: bool = False,
     *,
+    tools: Sequence[Tool] | None = None,
     limits: TemplateLimits = DEFAULT_LIMITS,
     **extra: Any,
 ) -> str:
-    """The conversation as text, like ``apply_chat_template(..., tokenize=False)``; ``extra``
-    are more template variables (a tokenizer's ``special_tokens``)."""
-    return render_spans(template, messages, add_generation_prompt, limits=limits, **extra)[0]
+    """The conversation as text, like ``apply_chat_template(..., tools=tools, tokenize=False)``;
+    ``extra`` are more template variables (a tokenizer's ``special_tokens``)."""
+    return render_spans(
+        template, messages, add_generation_prompt, tools=tools, limits=limits, **extra
+    )[0]
 
 
 def render_spans(
@@ -233,15 +260,15 @@ def render_spans(
     messages: Sequence[Message],
     add_generation_prompt: bool = False,
     *,
+    tools: Sequence[Tool] | None = None,
     limits: TemplateLimits = DEFAULT_LIMITS,
     **extra: Any,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans [start, end) of its ``{% generation %}``
     blocks (none when the template has no such block)."""
-    for message in messages:
-        if SPAN_START in message["content"] or SPAN_END in message["content"]:
-            raise ValueError("a message holds a private-use character U+E000/U+E001")
-    variables = {"tools": None, "documents": None, **extra}
+    if any(SPAN_START in text or SPAN_END in text for text in _strings([messages, tools])):
+        raise ValueError("a message or tool holds a private-use character U+E000/U+E001")
+    variables = {"documents": None, **extra, "tools": None if tools is None else list(tools)}
     variables |= {"messages": list(messages), "add_generation_prompt": add_generation_prompt}
     marked = _render(template, limits, variables)
     texts, spans, length, start = [], [], 0, 0
@@ -254,6 +281,19 @@ def render_spans(
             texts.append(part)
             length += len(part)
     return "".join(texts), spans
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside nested lists and dicts (keys too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
 
 
 def load_chat_template(path: str | None, tokenizer_folder: str | None) -> str:
@@ -290,14 +330,17 @@ def tokenize_chat(
     messages: Sequence[Message],
     train_on_prompt: bool = False,
     limits: TemplateLimits = DEFAULT_LIMITS,
+    tools: Sequence[Tool] | None = None,
 ) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and, per token, whether it trains.
+    """Token ids of the rendered conversation (with ``tools`` given to the template) and, per
+    token, whether it trains: each assistant turn, its tool calls included; never a tool's
+    result, which the model reads but does not write.
 
     Raises ValueError when the template does not render a conversation as the
     concatenation of its turns (the assistant spans could not be found).
     """
-    special = tokenizer.special_tokens
-    full, spans = render_spans(template, messages, limits=limits, **special)
+    options = {**tokenizer.special_tokens, "tools": tools, "limits": limits}
+    full, spans = render_spans(template, messages, **options)
     if spans:
         ids, offsets = tokenizer.encode_with_offsets(full)
         trains = [
@@ -310,8 +353,8 @@ def tokenize_chat(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render_chat(template, messages[:i], True, limits=limits, **special)
-        through = render_chat(template, messages[: i + 1], limits=limits, **special)
+        prompt = render_chat(template, messages[:i], True, **options)
+        through = render_chat(template, messages[: i + 1], **options)
         if not (prompt.startswith(done) and through.startswith(prompt)):
             raise ValueError(
                 "the chat template does not render a conversation as a prefix of the longer "
@@ -347,18 +390,92 @@ def stop_token_ids(tokenizer: Tokenizer, template: str) -> set[int]:
 
 
 def check_messages(value: Any, where: str, field: str = "messages") -> list[Message]:
-    """``value`` as a list of ``{"role", "content"}`` messages, or RecordError at ``where``."""
+    """``value`` as a list of messages, or RecordError at ``where`` naming the field.
+
+    Each has a ``role`` among CHAT_ROLES and a string ``content``, which an assistant turn
+    with ``tool_calls`` may leave out or null; a ``tool`` message may have a string ``name``
+    and ``tool_call_id``. Other fields are dropped.
+    """
     if not isinstance(value, list) or not value:
         raise RecordError(f"{where}: {field!r} must be a non-empty list of messages")
+    messages = []
     for j, message in enumerate(value):
+        at = f"{where}: {field}[{j}]"
         if not isinstance(message, dict):
-            raise RecordError(f"{where}: {field}[{j}] is not an object")
+            raise RecordError(f"{at} is not an object")
         role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise RecordError(f"{where}: {field}[{j}].role is {role!r}; expected one of {ROLES}")
-        if not isinstance(content, str):
-            raise RecordError(f"{where}: {field}[{j}].content must be a string")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+        if role not in CHAT_ROLES:
+            raise RecordError(f"{at}.role is {role!r}; expected one of {CHAT_ROLES}")
+        checked: Message = {"role": role, "content": content}
+        if role == "assistant" and "tool_calls" in message:
+            checked["tool_calls"] = _check_tool_calls(message["tool_calls"], f"{at}.tool_calls")
+        if not (isinstance(content, str) or (content is None and "tool_calls" in checked)):
+            raise RecordError(f"{at}.content must be a string")
+        for key in ("name", "tool_call_id") if role == "tool" else ():
+            if key in message:
+                if not isinstance(message[key], str):
+                    raise RecordError(f"{at}.{key} must be a string")
+                checked[key] = message[key]
+        messages.append(checked)
+    return messages
+
+
+def _check_tool_calls(value: Any, at: str) -> list[dict[str, Any]]:
+    """An assistant's ``tool_calls`` in the OpenAI / transformers form: ``[{"type": "function",
+    "function": {"name": ..., "arguments": {...} or a JSON object as a string}}]`` (an ``id``
+    kept when given); RecordError naming ``at[k]`` and the field otherwise."""
+    if not isinstance(value, list) or not value:
+        raise RecordError(f"{at} must be a non-empty list of calls")
+    for k, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise RecordError(
+                f'{at}[{k}] must be {{"type": "function", "function": {{"name": ..., '
+                '"arguments": {...}}}'
+            )
+        if call.get("type", "function") != "function":
+            raise RecordError(f"{at}[{k}].type is {call['type']!r}; expected 'function'")
+        if not isinstance(call.get("id", ""), str):
+            raise RecordError(f"{at}[{k}].id must be a string")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise RecordError(f"{at}[{k}].function.name must be a non-empty string")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise RecordError(
+                    f"{at}[{k}].function.arguments is a string that is not JSON"
+                ) from None
+        if not isinstance(arguments, dict):
+            raise RecordError(f"{at}[{k}].function.arguments must be an object (or its JSON)")
+    return value
+
+
+def check_tools(value: Any, where: str, field: str = "tools") -> list[Tool] | None:
+    """A record's ``tools`` (None when absent): function descriptions as transformers takes
+    them, ``{"type": "function", "function": {"name": ..., "description": ..., "parameters":
+    {JSON schema}}}``; RecordError at ``where`` naming the field otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise RecordError(f"{where}: {field!r} must be a list of function descriptions")
+    for k, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise RecordError(
+                f'{where}: {field}[{k}] must be {{"type": "function", "function": {{"name": ..., '
+                '"description": ..., "parameters": {...}}}'
+            )
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise RecordError(f"{where}: {field}[{k}].function.name must be a non-empty string")
+        if not isinstance(function.get("description", ""), str):
+            raise RecordError(f"{where}: {field}[{k}].function.description must be a string")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise RecordError(
+                f"{where}: {field}[{k}].function.parameters must be a JSON schema object"
+            )
+    return value
 
 
 def read_jsonl(

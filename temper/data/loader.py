@@ -457,9 +457,11 @@ def validation_prompts(
             *messages, last = check_messages(record.get("messages"), where)
             if last["role"] != "assistant" or not messages:
                 raise ValueError(f"{where}: the last message is not an assistant's answer")
-            record = {"prompt": messages, "answer": last["content"]}
+            record = {"prompt": messages, "answer": last["content"], "tools": record.get("tools")}
         messages, answer = record_prompt(record, where)
         limits = TemplateLimits.of(data)
-        text = render_chat(template, messages, True, limits=limits, **tokenizer.special_tokens)
+        special = tokenizer.special_tokens
+        tools = answer.get("tools")
+        text = render_chat(template, messages, True, tools=tools, limits=limits, **special)
         prompts.append((tokenizer.encode(text), answer))
     return prompts

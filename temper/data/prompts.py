@@ -1,10 +1,11 @@
 """RL prompts: a question for the policy to answer, and the record its rewards check.
 
-A JSONL record holds ``prompt`` (a string, taken as a user message, or a message list) and
-any other fields a reward needs: ``answer`` (a string when present) for the built-in ones,
-test cases, units, whatever a user's reward reads. The prompt is rendered with the chat
-template and its generation prompt (the opening of the assistant turn), so the policy's
-completion is the assistant's answer.
+A JSONL record holds ``prompt`` (a string, taken as a user message, or a message list, which
+may hold tool calls and results), optionally ``tools`` (function descriptions the template
+shows the policy, as in sft records), and any other fields a reward needs: ``answer`` (a
+string when present) for the built-in ones, test cases, units, whatever a user's reward reads.
+The prompt is rendered with the chat template (given the tools) and its generation prompt (the
+opening of the assistant turn), so the policy's completion is the assistant's answer.
 
 A row carries ``prompt_ids`` left-padded to ``width`` with ``prompt_mask`` marking the real
 tokens (generation takes prompts ending at the last column), and ``record_ids``: the whole
@@ -27,6 +28,7 @@ from temper.data.chat import (
     RecordError,
     TemplateLimits,
     check_messages,
+    check_tools,
     read_jsonl,
     render_chat,
 )
@@ -36,7 +38,7 @@ from temper.data.sources import ListSource, Record
 from temper.data.stream import LaneStream
 from temper.data.tokenizer import Tokenizer
 
-PromptRecord = tuple[list[dict[str, str]], dict[str, Any]]
+PromptRecord = tuple[list[dict[str, Any]], dict[str, Any]]
 """(prompt messages, the whole JSONL record)."""
 
 RECORD_BYTES = 8192
@@ -53,6 +55,7 @@ def record_prompt(record: Record, where: str) -> PromptRecord:
         if isinstance(prompt, str)
         else check_messages(prompt, where, "prompt")
     )
+    check_tools(record.get("tools"), where)
     if not isinstance(record.get("answer", ""), str):
         raise RecordError(f"{where}: 'answer' must be a string")
     if len(_json_bytes(record)) > RECORD_BYTES:
@@ -105,7 +108,10 @@ class PromptFormat:
     ) -> tuple[tuple[list[int], dict[str, Any]] | None, str | None]:
         messages, record = record_prompt(record, where)
         special = self.tokenizer.special_tokens
-        text = render_chat(self.template, messages, True, limits=self.limits, **special)
+        tools = record.get("tools")
+        text = render_chat(
+            self.template, messages, True, tools=tools, limits=self.limits, **special
+        )
         ids = self.tokenizer.encode(text)
         return ((ids, record), None) if len(ids) <= self.width else (None, "dropped")
 

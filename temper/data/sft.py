@@ -1,6 +1,7 @@
 """The sft format: chat samples, loss on the tokens that train, packed or padded.
 
-A record holds ``messages``; it is tokenized with the chat template (``temper.data.chat``).
+A record holds ``messages`` (and optionally ``tools``); it is tokenized with the chat template
+(``temper.data.chat``).
 Its next-token labels are ``ids[1:]`` where that token trains, else ignored. Unpacked, each
 row is one sample, right-padded to ``seq_len``. Packed, whole samples fill a row, chosen
 best-fit decreasing from a lookahead buffer of ``pack_buffer`` samples
@@ -27,6 +28,7 @@ from temper.data.chat import (
     DEFAULT_LIMITS,
     TemplateLimits,
     check_messages,
+    check_tools,
     read_jsonl,
     tokenize_chat,
 )
@@ -137,8 +139,9 @@ class SFTFormat:
 
     def encode(self, record: Record, where: str) -> tuple[Sample | None, str | None]:
         messages = check_messages(record.get("messages"), where)
+        tools = check_tools(record.get("tools"), where)
         sample = tokenize_chat(
-            self.tokenizer, self.template, messages, self.train_on_prompt, self.limits
+            self.tokenizer, self.template, messages, self.train_on_prompt, self.limits, tools
         )
         return fit(sample, self.seq_len + 1, self.policy)
 

@@ -1,0 +1,161 @@
+"""Tool-call chat data on a real tool-calling template (Qwen2.5-Instruct's, a test asset): ids
+equal transformers' ``apply_chat_template(..., tools=...)``, the assistant's calls and answer
+train and the tool's result does not, prompts carry their tools, bad calls are refused."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import tokenizers
+from transformers import AutoTokenizer
+
+from temper.data.chat import RecordError, check_messages, check_tools, tokenize_chat
+from temper.data.prompts import PromptFormat
+from temper.data.sft import SFTFormat
+from temper.data.tokenizer import Tokenizer, load_tokenizer
+
+TEMPLATE = (Path(__file__).parent.parent / "assets" / "qwen2_5_chat_template.jinja").read_text()
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Temperature of a city in °C",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+RECORD = {
+    "tools": TOOLS,
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "name": "get_weather", "content": "18 °C"},
+        {"role": "assistant", "content": "It is 18 °C in Paris."},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in tokenizer with Qwen's turn markers, and the Qwen2.5 template."""
+    path = tmp_path_factory.mktemp("qwen2_5")
+    raw = tokenizers.Tokenizer.from_str(
+        resources.files("temper.assets").joinpath("tokenizer.json").read_text()
+    )
+    raw.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    raw.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|pad|>",
+        "chat_template": TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ours(folder: Path) -> Tokenizer:
+    return load_tokenizer(str(folder))
+
+
+def test_ids_equal_apply_chat_template(folder: Path, ours: Tokenizer) -> None:
+    messages = check_messages(RECORD["messages"], "data.jsonl:1")
+    tools = check_tools(RECORD["tools"], "data.jsonl:1")
+    ids, _ = tokenize_chat(ours, TEMPLATE, messages, tools=tools)
+    theirs = AutoTokenizer.from_pretrained(folder)
+    expected = theirs.apply_chat_template(RECORD["messages"], tools=TOOLS)["input_ids"]
+    assert ids == list(expected)
+    # Arguments given as a JSON string reach the template unchanged, as in transformers.
+    as_string = json.loads(json.dumps(RECORD["messages"]))
+    as_string[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'
+    ids, _ = tokenize_chat(ours, TEMPLATE, check_messages(as_string, "x"), tools=tools)
+    assert ids == list(theirs.apply_chat_template(as_string, tools=TOOLS)["input_ids"])
+
+
+def test_mask_trains_calls_and_answer_not_tool_results(folder: Path, ours: Tokenizer) -> None:
+    """Against the conversation written out by hand in Qwen2.5's format, piece by piece."""
+    preamble = (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+        "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:"
+        '\n<tools>\n{"type": "function", "function": {"name": "get_weather", "description": '
+        '"Temperature of a city in °C", "parameters": {"type": "object", "properties": '
+        '{"city": {"type": "string"}}, "required": ["city"]}}}\n</tools>\n\nFor each function '
+        "call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    )
+    pieces = [
+        (preamble + "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n", 0),
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call><|im_end|>\n",
+            1,
+        ),
+        ("<|im_start|>user\n<tool_response>\n18 °C\n</tool_response><|im_end|>\n", 0),
+        ("<|im_start|>assistant\n", 0),
+        ("It is 18 °C in Paris.<|im_end|>\n", 1),
+    ]
+    theirs = AutoTokenizer.from_pretrained(folder)
+    text = theirs.apply_chat_template(RECORD["messages"], tools=TOOLS, tokenize=False)
+    assert "".join(piece for piece, _ in pieces) == text
+    expected_ids = [i for piece, _ in pieces for i in ours.encode(piece)]
+    expected_mask = [bool(t) for piece, t in pieces for _ in ours.encode(piece)]
+    sample = SFTFormat(ours, TEMPLATE, seq_len=1024).encode(RECORD, "data.jsonl:1")
+    assert sample == ((expected_ids, expected_mask), None)
+
+
+def test_prompt_renders_tools_and_generation_prompt(folder: Path, ours: Tokenizer) -> None:
+    prompt = RECORD["messages"][:3]
+    record = {"prompt": prompt, "tools": TOOLS, "answer": "18"}
+    (ids, kept), outcome = PromptFormat(ours, TEMPLATE, width=1024).encode(record, "p.jsonl:1")
+    theirs = AutoTokenizer.from_pretrained(folder)
+    expected = theirs.apply_chat_template(prompt, tools=TOOLS, add_generation_prompt=True)
+    assert (ids, kept, outcome) == (list(expected["input_ids"]), record, None)
+    assert ours.decode(ids).endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def _with_call(call: object) -> dict:
+    record = json.loads(json.dumps(RECORD))
+    record["messages"][1]["tool_calls"] = call
+    return record
+
+
+CALL0 = r"messages\[1\]\.tool_calls\[0\]"
+ARGS = rf"{CALL0}\.function\.arguments"
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        (_with_call([{"type": "function", "function": {"name": "f", "arguments": "{city"}}]),
+         rf"{ARGS} is a string that is not JSON"),
+        (_with_call([{"type": "function", "function": {"name": "f", "arguments": [1]}}]),
+         rf"{ARGS} must be an object"),
+        (_with_call([{"type": "function", "function": {"arguments": {}}}]),
+         rf"{CALL0}\.function\.name must be a non-empty string"),
+        (_with_call([{"name": "f", "arguments": {}}]), CALL0 + r" must be \{\"type\""),
+        (_with_call([{"type": "code", "function": {"name": "f", "arguments": {}}}]),
+         rf"{CALL0}\.type is 'code'"),
+        (_with_call({"name": "f"}), r"messages\[1\]\.tool_calls must be a non-empty list"),
+        ({**RECORD, "tools": [{"name": "f"}]}, r"tools\[0\] must be \{\"type\": \"function\""),
+        ({**RECORD, "tools": {"name": "f"}}, r"'tools' must be a list"),
+        ({"messages": [{"role": "tool", "content": "1", "tool_call_id": 3}]},
+         r"messages\[0\]\.tool_call_id must be a string"),
+        ({"messages": [{"role": "assistant", "content": None}]},
+         r"messages\[0\]\.content must be a string"),
+    ],
+)  # fmt: skip
+def test_malformed_tool_data_refused(ours: Tokenizer, record: dict, message: str) -> None:
+    with pytest.raises(RecordError, match=rf"^data\.jsonl:7: {message}"):
+        SFTFormat(ours, TEMPLATE, seq_len=1024).encode(record, "data.jsonl:7")
