@@ -380,6 +380,14 @@ class Metrics:
     """Log every N steps (console, TensorBoard, metrics.jsonl)."""
     tensorboard: bool = True
     """Write TensorBoard events to <dump_folder>/tb."""
+    wandb: bool = False
+    """Also log every metrics row to Weights & Biases (the wandb package, its login and
+    WANDB_* settings), a run named after job.dump_folder."""
+    mlflow: bool = False
+    """Also log every metrics row to MLflow (the mlflow package; MLFLOW_TRACKING_URI, else
+    ./mlruns), a run named after job.dump_folder with the config as its params."""
+    project: str = "temper"
+    """The W&B project and the MLflow experiment the run is logged under."""
 
 
 @dataclass

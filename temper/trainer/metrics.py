@@ -7,12 +7,14 @@ import resource
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+from temper.trainer.loggers import StepLogger
 
 
 class MetricsLogger:
@@ -26,9 +28,12 @@ class MetricsLogger:
         enabled: bool,
         resume_step: int = 0,
         total_steps: int | None = None,
+        loggers: Sequence[StepLogger] = (),
     ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
+        self.loggers = list(loggers)
+        """W&B / MLflow (``temper.trainer.loggers``): each logged row goes to them too."""
         self._jsonl: IO[str] | None = None
         self._tb = None
         if not enabled:
@@ -51,6 +56,8 @@ class MetricsLogger:
         if self._tb is not None:
             for name, value in metrics.items():
                 self._tb.add_scalar(name, value, step)
+        for logger in self.loggers:
+            logger.log(step, metrics)
         print(format_line(record, self.total_steps), file=sys.stdout, flush=True)
 
     def log_image(self, name: str, image: Any, step: int) -> None:
@@ -63,6 +70,8 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for logger in self.loggers:
+            logger.close()
 
 
 def _open_metrics(path: Path, resume_step: int) -> IO[str]:

@@ -15,6 +15,7 @@ from temper.engine import build_run_model, load_run_tokenizer
 from temper.engine.checkpointing import TrainCheckpointer
 from temper.engine.engine import read_initial_adapter
 from temper.models.hf import check_hf_weights
+from temper.trainer.loggers import check_loggers
 from temper.trainer.positions import check_positions
 from temper.trainer.run_lock import check_run_folder_free
 
@@ -32,6 +33,7 @@ def preflight(config: Config) -> None:
     outside itself, LoRA targets that match nothing (on the meta model), a checkpoint to
     resume or ``initial_load`` of another model."""
     check_writable(config.job.dump_folder)
+    check_loggers(config)
     check_run_folder_free(config.job.dump_folder)
     check_positions(config)
     tokenizer = load_run_tokenizer(config)

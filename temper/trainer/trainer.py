@@ -32,6 +32,7 @@ from temper.trainer.console import (
     stopped_line,
     summary_line,
 )
+from temper.trainer.loggers import open_loggers
 from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
 from temper.trainer.moe_load import MoELoad, write_load
 from temper.trainer.phases import PhaseTimer
@@ -85,6 +86,7 @@ class Trainer:
             enabled=runtime.is_main,
             resume_step=self.state.step,
             total_steps=config.training.steps,
+            loggers=open_loggers(config) if runtime.is_main else (),
         )
         self.throughput = Throughput(
             flops_per_token=engine.model.flops_per_token,
