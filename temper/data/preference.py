@@ -1,13 +1,14 @@
 """Preference pairs for DPO: a prompt, a chosen and a rejected answer, as two padded rows.
 
 A JSONL record holds ``prompt``, ``chosen`` and ``rejected``: strings (a user message and
-assistant answers) or message lists (the prompt's turns; the answers' assistant turns). As
-TRL does, the prompt is rendered with its generation prompt and each answer is the text the
-whole conversation adds after it; only the answer's tokens train, so an assistant turn inside
-a multi-turn prompt enters neither log-probability sum. A row carries
-``chosen_input_ids``/``chosen_labels`` and ``rejected_input_ids``/``rejected_labels``, each
-right-padded to ``seq_len``. An over-long pair is truncated or dropped as a whole
-(``max_length_policy``) and counted.
+assistant answers) or message lists (the prompt's turns, tool calls and results included;
+the answers' assistant turns), and optionally ``tools``: function descriptions given to the
+template with both conversations, as in sft records. As TRL does, the prompt is rendered with
+its generation prompt and each answer is the text the whole conversation adds after it; only
+the answer's tokens train, so an assistant turn inside a multi-turn prompt enters neither
+log-probability sum. A row carries ``chosen_input_ids``/``chosen_labels`` and
+``rejected_input_ids``/``rejected_labels``, each right-padded to ``seq_len``. An over-long
+pair is truncated or dropped as a whole (``max_length_policy``) and counted.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import torch
 from temper.data.batch import IGNORE_INDEX, REAL_TOKENS
 from temper.data.chat import (
     DEFAULT_LIMITS,
+    Message,
     RecordError,
     TemplateLimits,
+    Tool,
     check_messages,
+    check_tools,
     read_jsonl,
     render_chat,
 )
@@ -32,11 +36,11 @@ from temper.data.sources import ListSource, Record
 from temper.data.stream import LaneStream
 from temper.data.tokenizer import Tokenizer
 
-Pair = tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]
+Pair = tuple[list[Message], list[Message], list[Message]]
 """(prompt messages, chosen answer messages, rejected answer messages)."""
 
 
-def _turns(value: Any, where: str, field: str, role: str) -> list[dict[str, str]]:
+def _turns(value: Any, where: str, field: str, role: str) -> list[Message]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     if value is None:
@@ -69,18 +73,20 @@ def read_preference_records(path: str, limit: int | None = None) -> list[Pair]:
 def answer_sample(
     tokenizer: Tokenizer,
     template: str,
-    prompt: list[dict[str, str]],
-    answer: list[dict[str, str]],
+    prompt: list[Message],
+    answer: list[Message],
     limits: TemplateLimits = DEFAULT_LIMITS,
+    tools: list[Tool] | None = None,
 ) -> Sample:
     """Ids of ``prompt`` (rendered with its generation prompt, never trained) then of the text
-    ``prompt + answer`` adds after it (all trained), as TRL's DPOTrainer splits a pair.
+    ``prompt + answer`` adds after it (all trained), as TRL's DPOTrainer splits a pair; both
+    renderings are given the record's ``tools``.
 
     Raises ValueError when the template does not render the conversation as a continuation of
     the prompt (the answer could not be located)."""
-    special = tokenizer.special_tokens
-    head = render_chat(template, prompt, True, limits=limits, **special)
-    full = render_chat(template, prompt + answer, limits=limits, **special)
+    options = {**tokenizer.special_tokens, "tools": tools, "limits": limits}
+    head = render_chat(template, prompt, True, **options)
+    full = render_chat(template, prompt + answer, **options)
     if not full.startswith(head):
         raise ValueError(
             "the chat template does not render prompt + answer as a continuation of the prompt "
@@ -128,9 +134,12 @@ class PreferenceFormat:
 
     def encode(self, record: Record, where: str) -> tuple[Any, str | None]:
         prompt, good, bad = record_pair(record, where)
+        tools = check_tools(record.get("tools"), where)
         fitted, outcomes = [], []
         for answer in (good, bad):
-            sample = answer_sample(self.tokenizer, self.template, prompt, answer, self.limits)
+            sample = answer_sample(
+                self.tokenizer, self.template, prompt, answer, self.limits, tools
+            )
             kept, outcome = fit(sample, self.seq_len + 1, self.policy)
             fitted.append(kept)
             outcomes.append(outcome)

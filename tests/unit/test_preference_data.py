@@ -1,17 +1,26 @@
-"""Preference rows train the answer's tokens only, against hand-built ids and masks."""
+"""Preference rows train the answer's tokens only: against hand-built ids and masks, and against
+transformers' apply_chat_template split as TRL splits a pair when a record brings tools."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from temper.data.chat import BUILTIN_TEMPLATE, RecordError, tokenize_chat
-from temper.data.preference import answer_sample, preference_dataset, record_pair
+from temper.data.preference import (
+    PreferenceFormat,
+    answer_sample,
+    preference_dataset,
+    record_pair,
+)
 from temper.data.sft import sample_labels
-from temper.data.tokenizer import load_tokenizer
+from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.objectives.dpo import DPO
+from tests.unit.test_chat_tools import CALL, TEMPLATE, TOOLS, folder, ours  # noqa: F401 (fixtures)
 from tests.unit.test_dpo import _FixedLogits
 
 PROMPT = [
@@ -77,3 +86,35 @@ def test_an_answer_with_a_non_assistant_turn_is_refused_by_name() -> None:
     record = {"prompt": PROMPT, "chosen": CHOSEN + PROMPT[:1], "rejected": REJECTED}
     with pytest.raises(RecordError, match=r"pairs.jsonl:3: chosen\[1\].role is 'user'"):
         record_pair(record, "pairs.jsonl:3")
+
+
+def test_a_records_tools_reach_the_template_as_trl_splits_the_pair(
+    folder: Path,  # noqa: F811 (the fixture imported above)
+    ours: Tokenizer,  # noqa: F811
+) -> None:
+    """On Qwen2.5's tool template, a pair whose prompt holds a tool call and its result and
+    whose chosen answer is itself a call: ids are transformers' apply_chat_template(...,
+    tools=...) of prompt + answer, and the trained tokens are those after the prompt with its
+    generation prompt (TRL's DPOTrainer split); without the record's tools they differ."""
+    prompt = [
+        {"role": "user", "content": "Weather in Paris, then Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "name": "get_weather", "content": "18 °C"},
+    ]
+    rome = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}
+    chosen = [{"role": "assistant", "content": None, "tool_calls": [rome]}]
+    rejected = [{"role": "assistant", "content": "It is 18 °C in Rome."}]
+    record = {"prompt": prompt, "chosen": chosen, "rejected": rejected, "tools": TOOLS}
+    pair, outcome = PreferenceFormat(ours, TEMPLATE, 1024).encode(record, "pairs.jsonl:1")
+    theirs = AutoTokenizer.from_pretrained(folder)
+    head = list(
+        theirs.apply_chat_template(prompt, tools=TOOLS, add_generation_prompt=True)["input_ids"]
+    )
+    assert outcome is None
+    for answer, (ids, trains) in zip((chosen, rejected), pair, strict=True):
+        full = list(theirs.apply_chat_template(prompt + answer, tools=TOOLS)["input_ids"])
+        assert full[: len(head)] == head
+        assert ids == full
+        assert trains == [False] * len(head) + [True] * (len(full) - len(head))
+    untooled = answer_sample(ours, TEMPLATE, record_pair(record, "x")[0], chosen)
+    assert untooled[0] != pair[0][0]
