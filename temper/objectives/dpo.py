@@ -129,8 +129,13 @@ def answer_tokens(labels: torch.Tensor, shard: SequenceShard | None = None) -> t
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 - e^x)`` for ``x < 0``, accurate near 0 (expm1) and far below it (log1p)."""
-    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """``log(1 - e^x)`` for ``x < 0``, accurate near 0 (expm1) and far below it (log1p). Each
+    branch sees only its own side of the switch, so the one not taken has a finite gradient
+    (``where`` multiplies it by 0, and 0 * inf would be NaN)."""
+    switch = -math.log(2)
+    near = torch.log(-torch.expm1(x.clamp(min=switch)))
+    far = torch.log1p(-torch.exp(x.clamp(max=switch)))
+    return torch.where(x > switch, near, far)
 
 
 def preference_loss(

@@ -178,4 +178,12 @@ def test_log1mexp_is_accurate_on_both_sides_of_its_switch() -> None:
     """ORPO's log(1 - p) of a per-token probability p = e^x, against float64 math."""
     xs = [-1e-6, -0.3, -0.69, -0.7, -5.0]
     expected = [math.log(-math.expm1(x)) for x in xs]
-    assert _log1mexp(torch.tensor(xs)).tolist() == pytest.approx(expected, rel=1e-6)
+    x = torch.tensor(xs, requires_grad=True)
+    assert _log1mexp(x).tolist() == pytest.approx(expected, rel=1e-6)
+    # d/dx log(1 - e^x) = -e^x / (1 - e^x) = 1 / (1 - e^-x), finite on both sides.
+    _log1mexp(x).sum().backward()
+    grads = [1 / -math.expm1(-v) for v in xs]
+    assert x.grad.tolist() == pytest.approx(grads, rel=1e-4)
+    tiny = torch.tensor([-1e-8], requires_grad=True)  # e^x rounds to 1 in fp32
+    _log1mexp(tiny).sum().backward()
+    assert torch.isfinite(tiny.grad).all()
