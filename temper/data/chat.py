@@ -337,10 +337,19 @@ def tokenize_chat(
     result, which the model reads but does not write.
 
     Raises ValueError when the template does not render a conversation as the
-    concatenation of its turns (the assistant spans could not be found).
+    concatenation of its turns (the assistant spans could not be found), or leaves out a
+    tool or tool call it is given (a template without tool support would train calls the
+    text never shows).
     """
     options = {**tokenizer.special_tokens, "tools": tools, "limits": limits}
     full, spans = render_spans(template, messages, **options)
+    names = [tool["function"]["name"] for tool in tools or ()]
+    names += [call["function"]["name"] for m in messages for call in m.get("tool_calls", ())]
+    if missing := [name for name in names if name not in full]:
+        raise ValueError(
+            f"the chat template does not write the tools or tool calls it is given ({missing[0]!r} "
+            "is not in its text): give a template with tool support (--data.chat_template)"
+        )
     if spans:
         ids, offsets = tokenizer.encode_with_offsets(full)
         trains = [

@@ -12,7 +12,13 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
-from temper.data.chat import RecordError, check_messages, check_tools, tokenize_chat
+from temper.data.chat import (
+    BUILTIN_TEMPLATE,
+    RecordError,
+    check_messages,
+    check_tools,
+    tokenize_chat,
+)
 from temper.data.prompts import PromptFormat
 from temper.data.sft import SFTFormat
 from temper.data.tokenizer import Tokenizer, load_tokenizer
@@ -43,6 +49,28 @@ RECORD = {
     ],
 }
 
+# A system turn, two calls at once with text before them (one without "type", its arguments a
+# JSON string, which reaches the template as given), two results in a row, two rounds.
+PARALLEL = [
+    {"role": "system", "content": "Use the tools."},
+    {"role": "user", "content": "Paris or Oslo: which is warmer?"},
+    {
+        "role": "assistant",
+        "content": "Checking both.",
+        "tool_calls": [
+            {**CALL, "id": "a"},
+            {"function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "a", "content": "18"},
+    {"role": "tool", "content": "9"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And Rome?"},
+    {"role": "assistant", "tool_calls": [CALL]},
+    {"role": "tool", "content": "21"},
+    {"role": "assistant", "content": "Rome, 21."},
+]
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -68,18 +96,19 @@ def ours(folder: Path) -> Tokenizer:
     return load_tokenizer(str(folder))
 
 
-def test_ids_equal_apply_chat_template(folder: Path, ours: Tokenizer) -> None:
-    messages = check_messages(RECORD["messages"], "data.jsonl:1")
+@pytest.mark.parametrize("conversation", [RECORD["messages"], PARALLEL], ids=["one", "parallel"])
+def test_ids_equal_apply_chat_template(
+    folder: Path, ours: Tokenizer, conversation: list[dict]
+) -> None:
+    messages = check_messages(conversation, "data.jsonl:1")
     tools = check_tools(RECORD["tools"], "data.jsonl:1")
-    ids, _ = tokenize_chat(ours, TEMPLATE, messages, tools=tools)
+    ids, trains = tokenize_chat(ours, TEMPLATE, messages, tools=tools)
     theirs = AutoTokenizer.from_pretrained(folder)
-    expected = theirs.apply_chat_template(RECORD["messages"], tools=TOOLS)["input_ids"]
+    expected = theirs.apply_chat_template(conversation, tools=TOOLS)["input_ids"]
     assert ids == list(expected)
-    # Arguments given as a JSON string reach the template unchanged, as in transformers.
-    as_string = json.loads(json.dumps(RECORD["messages"]))
-    as_string[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'
-    ids, _ = tokenize_chat(ours, TEMPLATE, check_messages(as_string, "x"), tools=tools)
-    assert ids == list(theirs.apply_chat_template(as_string, tools=TOOLS)["input_ids"])
+    trained = ours.decode([t for t, train in zip(ids, trains, strict=True) if train])
+    assert trained.count("<tool_call>") == sum(len(m.get("tool_calls", [])) for m in messages)
+    assert "tool_response" not in trained and "# Tools" not in trained
 
 
 def test_mask_trains_calls_and_answer_not_tool_results(folder: Path, ours: Tokenizer) -> None:
@@ -159,3 +188,12 @@ ARGS = rf"{CALL0}\.function\.arguments"
 def test_malformed_tool_data_refused(ours: Tokenizer, record: dict, message: str) -> None:
     with pytest.raises(RecordError, match=rf"^data\.jsonl:7: {message}"):
         SFTFormat(ours, TEMPLATE, seq_len=1024).encode(record, "data.jsonl:7")
+
+
+def test_template_without_tool_support_refused(ours: Tokenizer) -> None:
+    """The built-in template writes only roles and contents: the call would vanish."""
+    messages = check_messages(RECORD["messages"], "x")
+    messages[1]["content"] = "Checking."
+    with pytest.raises(ValueError, match="does not write the tools or tool calls.*'get_weather'"):
+        tokenize_chat(ours, BUILTIN_TEMPLATE, messages)
+    tokenize_chat(ours, TEMPLATE, messages)  # the same with a template that writes calls
