@@ -168,6 +168,9 @@ _STOPS = (signal.SIGINT, signal.SIGTERM)
 FORCED_EXIT_GRACE_S = 2.0
 """After a second Ctrl-C, how long the main thread has to raise KeyboardInterrupt (and clean
 up) before the process exits anyway."""
+SAME_PRESS_S = 1.0
+"""SIGINTs this close together are one Ctrl-C: under torchrun a rank gets the terminal's and,
+a moment later, the one its agent forwards."""
 
 
 class StopRequest:
@@ -209,11 +212,14 @@ class StopRequest:
 
     @staticmethod
     def _watch(read_fd: int, left: threading.Event) -> None:
-        interrupts = 0
+        presses, last = 0, -SAME_PRESS_S
         with os.fdopen(read_fd, "rb", buffering=0) as pipe:
             while received := pipe.read(64):
-                interrupts += received.count(signal.SIGINT)
-                if interrupts >= 2 and not left.wait(FORCED_EXIT_GRACE_S):
+                now = time.monotonic()
+                if signal.SIGINT in received and now - last >= SAME_PRESS_S:
+                    presses += 1
+                    last = now
+                if presses >= 2 and not left.wait(FORCED_EXIT_GRACE_S):
                     os.write(2, b"temper: interrupted\n")
                     os._exit(128 + signal.SIGINT)
 
