@@ -101,7 +101,8 @@ def test_the_startup_line_names_the_hf_model_built(
     assert main([*TINY, "--training.steps", "1", *args]) == 0
     total = sum(p.numel() for p in reference.parameters())  # tied: the table counts once
     adapters = 2 * (2 * 32 + 32 * 2)  # two layers of A [2, 32], B [32, 2]
-    first = stdout_lines(capsys)[0]
+    building, first = stdout_lines(capsys)[:2]
+    assert building == f"temper: building the model, weights from {hf}"
     expected = f"temper: qwen3/Qwen3-tiny from {hf}, {(total + adapters) / 1e3:.1f}K params "
     assert first.startswith(expected + f"({adapters} trainable) on cpu (float32)")
     saved = json.loads((run / "config.json").read_text())["model"]
