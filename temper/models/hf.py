@@ -1,7 +1,8 @@
 """Hugging Face folders in and out: the adapter contract and the generic load/save.
 
 A family's adapter says how its args map to `config.json` and, as a table of
-`KeyRule`s, which HF tensors make each native parameter. Everything else (reading
+`KeyRule`s, which HF tensors make each native parameter; the names families share, both
+ways, are in `temper.models.hf_keys`. Everything else (reading
 shards lazily, checking names and shapes, filling possibly sharded parameters,
 writing shards with an index) is done once here for every family.
 """
@@ -410,23 +411,4 @@ def rope_to_hf(theta: float, scaling: RopeScaling | YarnScaling | None) -> dict[
             "rope_theta": theta,
             **fields,
         }
-    }
-
-
-def decoder_config_to_hf(args: Any) -> dict[str, Any]:
-    """The config.json fields every Llama-style decoder (`layers.decoder.DecoderArgs`) shares."""
-    return {
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "intermediate_size": args.ffn_hidden_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": args.attention_bias,
-        **rope_to_hf(args.rope_theta, args.rope_scaling),
     }

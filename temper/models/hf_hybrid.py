@@ -7,19 +7,58 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from temper.models.hf import KeyRule
+from temper.models.hf import HFAdapter, KeyRule
+from temper.models.hf_keys import (
+    BLOCK_NORM_KEYS,
+    QK_NORM_KEYS,
+    ConfigNames,
+    attention_keys,
+    block_rules,
+    decoder_rules,
+    mlp_keys,
+    router_rule,
+    stacked_expert_rules,
+)
 from temper.models.layers.hybrid import HybridArgs, HybridMoeArgs, interval_layer_types
 
-ATTENTION_KEYS = {
-    "attention.wq.{}": "self_attn.q_proj.{}",
-    "attention.wk.{}": "self_attn.k_proj.{}",
-    "attention.wv.{}": "self_attn.v_proj.{}",
-    "attention.wo.{}": "self_attn.o_proj.{}",
+OWN_NAMES = {
+    "linear_n_k_heads": "linear_num_key_heads",
+    "linear_n_v_heads": "linear_num_value_heads",
+    "linear_k_head_dim": "linear_key_head_dim",
+    "linear_v_head_dim": "linear_value_head_dim",
+    "linear_conv_kernel": "linear_conv_kernel_dim",
+    "shared_expert_hidden_dim": "shared_expert_intermediate_size",
 }
-ATTENTION_NORM_KEYS = {
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
+# The transformers configs' defaults; head_dim 0: hidden_size / heads; ffn_hidden_dim 0: no
+# dense MLP (Qwen3.5-MoE); no layer_types: from full_attention_interval.
+DEFAULTS = {
+    "ffn_hidden_dim": 0,
+    "layer_types": (),
+    "linear_conv_kernel": 4,
+    "max_seq_len": 32768,
+    "norm_topk_prob": True,
 }
+
+
+def hybrid_names(
+    model_type: str,
+    architecture: str,
+    args_cls: type[HybridArgs],
+    native_only: frozenset[str] = frozenset(),
+) -> ConfigNames:
+    """A hybrid family's config names: the shared table plus the Gated DeltaNet sizes and the
+    shared expert; ``native_only``: fields its transformers config lacks."""
+    return ConfigNames(
+        model_type=model_type,
+        architecture=architecture,
+        args_cls=args_cls,
+        own=OWN_NAMES,
+        defaults=DEFAULTS,
+        native_only=native_only,
+        fallbacks={},
+    )
+
+
 LINEAR_ATTENTION_KEYS = {
     "attention.conv_weight": "linear_attn.conv1d.weight",
     "attention.A_log": "linear_attn.A_log",
@@ -38,79 +77,33 @@ GROUPED_PROJECTION_KEYS = {
     "attention.wqkvz.weight": "linear_attn.in_proj_qkvz.weight",
     "attention.wba.weight": "linear_attn.in_proj_ba.weight",
 }
-BLOCK_NORM_KEYS = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-MLP_KEYS = {
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-}
 SHARED_EXPERT_KEYS = {
-    "feed_forward.router.gate.weight": "mlp.gate.weight",
-    "feed_forward.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
-    "feed_forward.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
-    "feed_forward.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
+    **mlp_keys("feed_forward.shared_experts", "mlp.shared_expert"),
     "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight",
 }
-EXPERT_KEYS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def hybrid_fields(config: dict[str, Any], *, mrope: bool) -> dict[str, Any]:
-    """The HybridArgs fields of a (text) config; refuses settings the native model lacks."""
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (silu is)")
+def hybrid_args_from_hf(config: dict[str, Any], names: ConfigNames, *, mrope: bool) -> Any:
+    """The args of a (text) config; refuses settings the native model lacks."""
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope type {rope['rope_type']!r} is not supported (default is)")
     if mrope and rope.get("mrope_interleaved") is False:
         raise ValueError("mRoPE with contiguous (non-interleaved) sections is not supported")
-    n_layers = config["num_hidden_layers"]
-    layer_types = config.get("layer_types") or interval_layer_types(
-        n_layers, config.get("full_attention_interval", 4)
+    fields = names.read(config)
+    fields["layer_types"] = fields["layer_types"] or interval_layer_types(
+        fields["n_layers"], config.get("full_attention_interval", 4)
     )
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
-    return {
-        "dim": config["hidden_size"],
-        "n_layers": n_layers,
-        "n_heads": config["num_attention_heads"],
-        "n_kv_heads": config["num_key_value_heads"],
-        "head_dim": config.get("head_dim")
-        or config["hidden_size"] // config["num_attention_heads"],
-        "vocab_size": config["vocab_size"],
-        "ffn_hidden_dim": config.get("intermediate_size") or 0,
-        "layer_types": tuple(layer_types),
-        "linear_n_k_heads": config["linear_num_key_heads"],
-        "linear_n_v_heads": config["linear_num_value_heads"],
-        "linear_k_head_dim": config["linear_key_head_dim"],
-        "linear_v_head_dim": config["linear_value_head_dim"],
-        "linear_conv_kernel": config.get("linear_conv_kernel_dim", 4),
-        "partial_rotary_factor": float(partial),
-        "mrope_section": tuple(rope.get("mrope_section") or (11, 11, 10)) if mrope else None,
-        "norm_eps": config.get("rms_norm_eps", 1e-6),
-        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        "tie_embeddings": config.get("tie_word_embeddings", False),
-        "max_seq_len": config.get("max_position_embeddings", 32768),
-        "attention_bias": config.get("attention_bias", False),
-    }
+    return names.args_cls(
+        **fields,
+        partial_rotary_factor=float(partial),
+        mrope_section=tuple(rope.get("mrope_section") or (11, 11, 10)) if mrope else None,
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+    )
 
 
-def moe_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The HybridMoeArgs fields beyond HybridArgs."""
-    return {
-        "n_experts": config["num_experts"],
-        "top_k": config["num_experts_per_tok"],
-        "moe_hidden_dim": config["moe_intermediate_size"],
-        "shared_expert_hidden_dim": config["shared_expert_intermediate_size"],
-        "norm_topk_prob": config.get("norm_topk_prob", True),
-        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
-        "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
-        "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001),
-    }
-
-
-def hybrid_config_to_hf(args: HybridArgs) -> dict[str, Any]:
+def hybrid_args_to_hf(args: HybridArgs, names: ConfigNames) -> dict[str, Any]:
     rope: dict[str, Any] = {
         "rope_type": "default",
         "rope_theta": args.rope_theta,
@@ -118,69 +111,30 @@ def hybrid_config_to_hf(args: HybridArgs) -> dict[str, Any]:
     }
     if args.mrope_section is not None:
         rope.update(mrope_section=list(args.mrope_section), mrope_interleaved=True)
-    config = {
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "layer_types": list(args.layer_types),
-        "linear_num_key_heads": args.linear_n_k_heads,
-        "linear_num_value_heads": args.linear_n_v_heads,
-        "linear_key_head_dim": args.linear_k_head_dim,
-        "linear_value_head_dim": args.linear_v_head_dim,
-        "linear_conv_kernel_dim": args.linear_conv_kernel,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": args.attention_bias,
-        "rope_parameters": rope,
-    }
-    if args.ffn_hidden_dim:
-        config["intermediate_size"] = args.ffn_hidden_dim
+    config = {**names.write(args), "rope_parameters": rope}
+    if not args.ffn_hidden_dim:
+        del config["intermediate_size"]
     return config
 
 
-def moe_config_to_hf(args: HybridMoeArgs) -> dict[str, Any]:
-    return {
-        "num_experts": args.n_experts,
-        "num_experts_per_tok": args.top_k,
-        "moe_intermediate_size": args.moe_hidden_dim,
-        "shared_expert_intermediate_size": args.shared_expert_hidden_dim,
-        "router_aux_loss_coef": args.router_aux_loss_coef,
-    }
-
-
 def hybrid_rules(
-    args: HybridArgs, *, grouped_projection: bool, mlp_rules: Callable[[int], list[KeyRule]]
+    args: HybridArgs, grouped_projection: bool, mlp_rules: Callable[[int], list[KeyRule]]
 ) -> list[KeyRule]:
     """Embedding, blocks (token mixer by layer type, norms, then ``mlp_rules(layer_id)``),
     final norm and head."""
-    rules = [KeyRule("tok_embeddings.weight", ("model.embed_tokens.weight",))]
     projections = GROUPED_PROJECTION_KEYS if grouped_projection else SPLIT_PROJECTION_KEYS
-    params = ("weight", "bias") if args.attention_bias else ("weight",)
-    for i, layer_type in enumerate(args.layer_types):
-        if layer_type == "linear_attention":
-            block = {**projections, **LINEAR_ATTENTION_KEYS}
-        else:
-            block = {n.format(p): h.format(p) for n, h in ATTENTION_KEYS.items() for p in params}
-            block.update(ATTENTION_NORM_KEYS)
-        block.update(BLOCK_NORM_KEYS)
-        rules += [KeyRule(f"layers.{i}.{n}", (f"model.layers.{i}.{h}",)) for n, h in block.items()]
-        rules += mlp_rules(i)
-    rules.append(KeyRule("norm.weight", ("model.norm.weight",)))
-    if not args.tie_embeddings:
-        rules.append(KeyRule("output.weight", ("lm_head.weight",)))
-    return rules
+    attention = {**attention_keys(args.attention_bias), **QK_NORM_KEYS}
+    linear_attention = {**projections, **LINEAR_ATTENTION_KEYS}
+
+    def block(i: int) -> list[KeyRule]:
+        mixer = linear_attention if args.layer_types[i] == "linear_attention" else attention
+        return block_rules(i, {**mixer, **BLOCK_NORM_KEYS}) + mlp_rules(i)
+
+    return decoder_rules(args, block)
 
 
 def dense_mlp_rules(layer_id: int) -> list[KeyRule]:
-    return [
-        KeyRule(f"layers.{layer_id}.{native}", (f"model.layers.{layer_id}.{hf}",))
-        for native, hf in MLP_KEYS.items()
-    ]
+    return block_rules(layer_id, mlp_keys())
 
 
 def moe_mlp_rules(args: HybridMoeArgs, layer_id: int) -> list[KeyRule]:
@@ -188,9 +142,23 @@ def moe_mlp_rules(args: HybridMoeArgs, layer_id: int) -> list[KeyRule]:
     per-expert HF tensors; a dense layer (``is_moe_layer`` False) has the dense names."""
     if not args.is_moe_layer(layer_id):
         return dense_mlp_rules(layer_id)
-    native, hf = f"layers.{layer_id}", f"model.layers.{layer_id}"
-    rules = [KeyRule(f"{native}.{n}", (f"{hf}.{h}",)) for n, h in SHARED_EXPERT_KEYS.items()]
-    for w, proj in EXPERT_KEYS.items():
-        experts = tuple(f"{hf}.mlp.experts.{e}.{proj}.weight" for e in range(args.n_experts))
-        rules.append(KeyRule(f"{native}.feed_forward.experts.{w}", experts))
-    return rules
+    shared = block_rules(layer_id, SHARED_EXPERT_KEYS)
+    return [router_rule(layer_id), *shared, *stacked_expert_rules(layer_id, args.n_experts)]
+
+
+def hybrid_adapter(names: ConfigNames, *, mrope: bool, grouped_projection: bool) -> HFAdapter:
+    """A hybrid family's adapter: ``names``' config with plain or multimodal (``mrope``)
+    rotary, split or grouped Gated DeltaNet projections, and MoE MLPs where its args route
+    experts (dense SwiGLUs otherwise)."""
+
+    def key_rules(args: HybridArgs) -> list[KeyRule]:
+        if isinstance(args, HybridMoeArgs):
+            return hybrid_rules(args, grouped_projection, lambda i: moe_mlp_rules(args, i))
+        return hybrid_rules(args, grouped_projection, dense_mlp_rules)
+
+    return HFAdapter(
+        model_types=(names.model_type,),
+        args_from_hf=lambda config: hybrid_args_from_hf(config, names, mrope=mrope),
+        args_to_hf=lambda args: hybrid_args_to_hf(args, names),
+        key_rules=key_rules,
+    )

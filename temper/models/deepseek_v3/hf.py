@@ -21,9 +21,55 @@ import dataclasses
 from typing import Any
 
 from temper.models.deepseek_v3.args import DeepseekV3Args
-from temper.models.hf import HFAdapter, KeyRule, rope_from_hf, rope_to_hf
-from temper.models.qwen3.hf import MLP_KEYS, dense_mlp_rules
-from temper.models.qwen3_moe.hf import moe_rules
+from temper.models.hf import HFAdapter, KeyRule
+from temper.models.hf_keys import (
+    BLOCK_NORM_KEYS,
+    EMBEDDING_RULE,
+    SILU,
+    ConfigNames,
+    block_rules,
+    head_rules,
+    mlp_keys,
+    router_rule,
+    stacked_expert_rules,
+)
+
+# Settings of hub configs that transformers' class ignores; other values would change the model.
+HUB_SETTINGS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+CONFIG = ConfigNames(
+    model_type="deepseek_v3",
+    architecture="DeepseekV3ForCausalLM",
+    args_cls=DeepseekV3Args,
+    own={
+        "q_lora_rank": "q_lora_rank",
+        "kv_lora_rank": "kv_lora_rank",
+        "qk_nope_head_dim": "qk_nope_head_dim",
+        "qk_rope_head_dim": "qk_rope_head_dim",
+        "v_head_dim": "v_head_dim",
+        "n_dense_layers": "first_k_dense_replace",
+        "n_shared_experts": "n_shared_experts",
+        "n_groups": "n_group",
+        "topk_group": "topk_group",
+        "routed_scaling_factor": "routed_scaling_factor",
+        "rope_interleave": "rope_interleave",
+        "mtp_depth": "num_nextn_predict_layers",
+    },
+    aliases={"n_experts": "n_routed_experts"},
+    also_read={"n_experts": ("num_local_experts",)},
+    # DeepseekV3Config's defaults; q_lora_rank None: queries without a latent.
+    defaults={
+        "q_lora_rank": None,
+        "norm_topk_prob": True,
+        "rope_interleave": True,
+        "max_seq_len": 4096,
+        "mtp_depth": 0,
+    },
+    # transformers' class computes no load-balancing loss: a native training setting.
+    native_only=frozenset({"router_aux_loss_coef"}),
+    fixed={**HUB_SETTINGS, **SILU, "attention_bias": False},
+    rope_types=("default", "yarn"),
+)
 
 # Native name -> HF name within a block; queries come from one projection or from a latent.
 PLAIN_Q_KEYS = {"attention.wq.weight": "self_attn.q_proj.weight"}
@@ -37,57 +83,19 @@ ATTENTION_KEYS = {
     "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **BLOCK_NORM_KEYS,
 }
-
-# Settings of hub configs that transformers' class ignores; other values would change the model.
-FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+SHARED_EXPERT_KEYS = mlp_keys("feed_forward.shared_experts", "mlp.shared_experts")
 
 
 def args_from_hf(config: dict[str, Any]) -> DeepseekV3Args:
-    for key, value in FIXED.items():
-        if config.get(key, value) != value:
-            raise ValueError(f"{key} {config[key]!r} is not supported ({value!r} is)")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (silu is)")
-    if config.get("attention_bias"):
-        raise ValueError("attention_bias is not supported")
     heads = config["num_attention_heads"]
     if config.get("num_key_value_heads") not in (None, heads):
         raise ValueError(
             f"num_key_value_heads {config['num_key_value_heads']} must equal "
             f"num_attention_heads {heads}: MLA expands one key/value per query head"
         )
-    theta, scaling = rope_from_hf(config, supported=("default", "yarn"))
-    return DeepseekV3Args(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=heads,
-        vocab_size=config["vocab_size"],
-        ffn_hidden_dim=config["intermediate_size"],
-        q_lora_rank=config.get("q_lora_rank"),
-        kv_lora_rank=config["kv_lora_rank"],
-        qk_nope_head_dim=config["qk_nope_head_dim"],
-        qk_rope_head_dim=config["qk_rope_head_dim"],
-        v_head_dim=config["v_head_dim"],
-        n_dense_layers=config["first_k_dense_replace"],
-        n_experts=config.get("n_routed_experts") or config["num_local_experts"],
-        n_shared_experts=config["n_shared_experts"],
-        top_k=config["num_experts_per_tok"],
-        moe_hidden_dim=config["moe_intermediate_size"],
-        n_groups=config["n_group"],
-        topk_group=config["topk_group"],
-        routed_scaling_factor=config["routed_scaling_factor"],
-        norm_topk_prob=config.get("norm_topk_prob", True),
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rope_interleave=config.get("rope_interleave", True),
-        tie_embeddings=config.get("tie_word_embeddings", False),
-        max_seq_len=config.get("max_position_embeddings", 4096),
-        mtp_depth=config.get("num_nextn_predict_layers") or 0,
-    )
+    return CONFIG.args_from_hf(config)
 
 
 def fit_to_folder(args: DeepseekV3Args, tensor_names: set[str]) -> DeepseekV3Args:
@@ -104,51 +112,7 @@ def mtp_marker(args: DeepseekV3Args, k: int) -> str:
 
 
 def args_to_hf(args: DeepseekV3Args) -> dict[str, Any]:
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_heads,
-        "vocab_size": args.vocab_size,
-        "intermediate_size": args.ffn_hidden_dim,
-        "q_lora_rank": args.q_lora_rank,
-        "kv_lora_rank": args.kv_lora_rank,
-        "qk_nope_head_dim": args.qk_nope_head_dim,
-        "qk_rope_head_dim": args.qk_rope_head_dim,
-        "v_head_dim": args.v_head_dim,
-        "first_k_dense_replace": args.n_dense_layers,
-        "n_routed_experts": args.n_experts,
-        "n_shared_experts": args.n_shared_experts,
-        "num_experts_per_tok": args.top_k,
-        "moe_intermediate_size": args.moe_hidden_dim,
-        "n_group": args.n_groups,
-        "topk_group": args.topk_group,
-        "routed_scaling_factor": args.routed_scaling_factor,
-        "norm_topk_prob": args.norm_topk_prob,
-        **FIXED,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "rope_interleave": args.rope_interleave,
-        "num_nextn_predict_layers": args.mtp_depth,
-        **rope_to_hf(args.rope_theta, args.rope_scaling),
-    }
-
-
-def shared_expert_rules(layer_id: int) -> list[KeyRule]:
-    """The dense MLP's names one level down: `feed_forward.shared_experts.w1.weight` <->
-    `mlp.shared_experts.gate_proj.weight`."""
-    return [
-        KeyRule(
-            f"layers.{layer_id}.{n.replace('feed_forward.', 'feed_forward.shared_experts.')}",
-            (f"model.layers.{layer_id}.{h.replace('mlp.', 'mlp.shared_experts.')}",),
-        )
-        for n, h in MLP_KEYS.items()
-    ]
+    return CONFIG.args_to_hf(args) | {"num_key_value_heads": args.n_kv_heads}
 
 
 # Native name within an MTP depth -> HF name within its layer.
@@ -163,10 +127,10 @@ MTP_KEYS = {
 def layer_rules(args: DeepseekV3Args, i: int) -> list[KeyRule]:
     """Decoder layer ``i``: MLA, norms, dense MLP or routed + shared experts."""
     block = {**(PLAIN_Q_KEYS if args.q_lora_rank is None else LATENT_Q_KEYS), **ATTENTION_KEYS}
-    rules = [KeyRule(f"layers.{i}.{n}", (f"model.layers.{i}.{h}",)) for n, h in block.items()]
-    if args.is_moe_layer(i):
-        return rules + moe_rules(args, i) + shared_expert_rules(i)
-    return rules + dense_mlp_rules(i)
+    if not args.is_moe_layer(i):
+        return block_rules(i, {**block, **mlp_keys()})
+    experts = [router_rule(i), *stacked_expert_rules(i, args.n_experts)]
+    return block_rules(i, block) + experts + block_rules(i, SHARED_EXPERT_KEYS)
 
 
 def mtp_rules(args: DeepseekV3Args, rules_of_layer: list[KeyRule], k: int) -> list[KeyRule]:
@@ -194,11 +158,7 @@ def key_rules(args: DeepseekV3Args) -> list[KeyRule]:
         rules += layer_rules(args, i)
     for k in range(args.mtp_depth):
         rules += mtp_rules(args, layer_rules(args, args.n_layers + k), k)
-    rules.append(KeyRule("tok_embeddings.weight", ("model.embed_tokens.weight",)))
-    rules.append(KeyRule("norm.weight", ("model.norm.weight",)))
-    if not args.tie_embeddings:
-        rules.append(KeyRule("output.weight", ("lm_head.weight",)))
-    return rules
+    return [*rules, EMBEDDING_RULE, *head_rules(args)]
 
 
 def _expert_bias_rule(i: int) -> KeyRule:

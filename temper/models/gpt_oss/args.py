@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from temper.models.layers.args import GQAArgs, MoEArgs
+from temper.models.layers.args import GQAArgs, MoEArgs, checked_layer_types
 from temper.models.layers.rope import YarnScaling
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -42,14 +42,7 @@ class GptOssArgs(MoEArgs, GQAArgs):
         super().__post_init__()
         if not self.layer_types:
             self.layer_types = tuple(LAYER_TYPES[i % 2] for i in range(self.n_layers))
-        self.layer_types = tuple(self.layer_types)
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers"
-            )
-        unknown = set(self.layer_types) - set(LAYER_TYPES)
-        if unknown:
-            raise ValueError(f"layer_types {sorted(unknown)} unknown; choose {LAYER_TYPES}")
+        self.layer_types = checked_layer_types(self.layer_types, self.n_layers, LAYER_TYPES)
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window {self.sliding_window} must be >= 1")
 

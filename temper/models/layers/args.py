@@ -98,3 +98,16 @@ class SparseStepMoEArgs(MoEArgs):
         return (
             layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
         )
+
+
+def checked_layer_types(
+    layer_types: tuple[str, ...], n_layers: int, known: tuple[str, ...]
+) -> tuple[str, ...]:
+    """``layer_types`` as a tuple (a config may give a list), one of ``known`` per layer."""
+    layer_types = tuple(layer_types)
+    if len(layer_types) != n_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for n_layers {n_layers}")
+    unknown = set(layer_types) - set(known)
+    if unknown:
+        raise ValueError(f"layer_types {sorted(unknown)} unknown; choose from {known}")
+    return layer_types

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from temper.models.layers.args import GQAArgs, SparseStepMoEArgs
+from temper.models.layers.args import GQAArgs, SparseStepMoEArgs, checked_layer_types
 from temper.models.layers.attention import GatedAttention
 from temper.models.layers.decoder import Decoder
 from temper.models.layers.gated_deltanet import GatedDeltaNet, linear_attention_flops_per_token
@@ -53,14 +53,7 @@ class HybridArgs(GQAArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.layer_types = tuple(self.layer_types)
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for n_layers {self.n_layers}"
-            )
-        unknown = set(self.layer_types) - set(LAYER_TYPES)
-        if unknown:
-            raise ValueError(f"layer_types {sorted(unknown)} unknown; choose from {LAYER_TYPES}")
+        self.layer_types = checked_layer_types(self.layer_types, self.n_layers, LAYER_TYPES)
         if self.linear_n_v_heads % self.linear_n_k_heads:
             raise ValueError(
                 f"linear_n_v_heads {self.linear_n_v_heads} is not a multiple of "

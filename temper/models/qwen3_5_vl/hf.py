@@ -96,7 +96,7 @@ def _nested(rule: KeyRule) -> KeyRule:
     return KeyRule(rule.native, hf)
 
 
-def _adapter(text: Any, args_cls: type, model_type: str, architecture: str) -> HFAdapter:
+def _adapter(text: HFAdapter, args_cls: type, model_type: str, architecture: str) -> HFAdapter:
     def args_from_hf(config: dict[str, Any]) -> Any:
         text_config = {**config["text_config"]}
         if "tie_word_embeddings" in config:
@@ -129,7 +129,7 @@ def _adapter(text: Any, args_cls: type, model_type: str, architecture: str) -> H
     )
 
 
-ADAPTER = _adapter(dense_hf, Qwen3_5VLArgs, "qwen3_5", "Qwen3_5ForConditionalGeneration")
+ADAPTER = _adapter(dense_hf.ADAPTER, Qwen3_5VLArgs, "qwen3_5", "Qwen3_5ForConditionalGeneration")
 MOE_ADAPTER = _adapter(
-    moe_hf, Qwen3_5MoeVLArgs, "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"
+    moe_hf.ADAPTER, Qwen3_5MoeVLArgs, "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"
 )
