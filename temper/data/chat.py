@@ -324,6 +324,21 @@ def load_chat_template(path: str | None, tokenizer_folder: str | None) -> str:
     return BUILTIN_TEMPLATE
 
 
+def require_tools_written(
+    text: str, messages: Sequence[Message], tools: Sequence[Tool] | None
+) -> None:
+    """Raise ValueError when ``text``, a template's rendering of ``messages`` with ``tools``,
+    leaves out a tool or tool call's name: a template without tool support would train (or
+    prompt for) calls the text never shows."""
+    names = [tool["function"]["name"] for tool in tools or ()]
+    names += [call["function"]["name"] for m in messages for call in m.get("tool_calls", ())]
+    if missing := [name for name in names if name not in text]:
+        raise ValueError(
+            f"the chat template does not write the tools or tool calls it is given ({missing[0]!r} "
+            "is not in its text): give a template with tool support (--data.chat_template)"
+        )
+
+
 def tokenize_chat(
     tokenizer: Tokenizer,
     template: str,
@@ -343,13 +358,7 @@ def tokenize_chat(
     """
     options = {**tokenizer.special_tokens, "tools": tools, "limits": limits}
     full, spans = render_spans(template, messages, **options)
-    names = [tool["function"]["name"] for tool in tools or ()]
-    names += [call["function"]["name"] for m in messages for call in m.get("tool_calls", ())]
-    if missing := [name for name in names if name not in full]:
-        raise ValueError(
-            f"the chat template does not write the tools or tool calls it is given ({missing[0]!r} "
-            "is not in its text): give a template with tool support (--data.chat_template)"
-        )
+    require_tools_written(full, messages, tools)
     if spans:
         ids, offsets = tokenizer.encode_with_offsets(full)
         trains = [

@@ -29,6 +29,7 @@ from temper.data.chat import (
     check_tools,
     read_jsonl,
     render_chat,
+    require_tools_written,
 )
 from temper.data.packing import RowPacker
 from temper.data.sft import Policy, Row, Sample, fit, pad_id, sample_labels
@@ -83,10 +84,11 @@ def answer_sample(
     renderings are given the record's ``tools``.
 
     Raises ValueError when the template does not render the conversation as a continuation of
-    the prompt (the answer could not be located)."""
+    the prompt (the answer could not be located), or leaves out a tool or tool call."""
     options = {**tokenizer.special_tokens, "tools": tools, "limits": limits}
     head = render_chat(template, prompt, True, **options)
     full = render_chat(template, prompt + answer, **options)
+    require_tools_written(full, prompt + answer, tools)
     if not full.startswith(head):
         raise ValueError(
             "the chat template does not render prompt + answer as a continuation of the prompt "

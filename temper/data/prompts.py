@@ -31,6 +31,7 @@ from temper.data.chat import (
     check_tools,
     read_jsonl,
     render_chat,
+    require_tools_written,
 )
 from temper.data.packing import RowPacker
 from temper.data.sft import Row, pad_id
@@ -112,6 +113,7 @@ class PromptFormat:
         text = render_chat(
             self.template, messages, True, tools=tools, limits=self.limits, **special
         )
+        require_tools_written(text, messages, tools)
         ids = self.tokenizer.encode(text)
         return ((ids, record), None) if len(ids) <= self.width else (None, "dropped")
 

@@ -19,6 +19,7 @@ from temper.data.chat import (
     check_tools,
     tokenize_chat,
 )
+from temper.data.preference import PreferenceFormat
 from temper.data.prompts import PromptFormat
 from temper.data.sft import SFTFormat
 from temper.data.tokenizer import Tokenizer, load_tokenizer
@@ -197,3 +198,22 @@ def test_template_without_tool_support_refused(ours: Tokenizer) -> None:
     with pytest.raises(ValueError, match="does not write the tools or tool calls.*'get_weather'"):
         tokenize_chat(ours, BUILTIN_TEMPLATE, messages)
     tokenize_chat(ours, TEMPLATE, messages)  # the same with a template that writes calls
+
+
+def test_prompt_and_preference_data_refuse_a_template_without_tool_support(
+    ours: Tokenizer,
+) -> None:
+    """GRPO prompts and preference pairs render through the same check: the built-in template
+    drops the tools (and the answer's call), so the prompt would not show them."""
+    prompt = {"tools": TOOLS, "prompt": [{"role": "user", "content": "Weather in Paris?"}]}
+    call = {"role": "assistant", "content": "Checking.", "tool_calls": [CALL]}
+    pair = {**prompt, "chosen": [call], "rejected": [{"role": "assistant", "content": "No."}]}
+    missing = "does not write the tools or tool calls.*'get_weather'"
+    for fmt, record in (
+        (PromptFormat(ours, BUILTIN_TEMPLATE, width=1024), prompt),
+        (PreferenceFormat(ours, BUILTIN_TEMPLATE, 1024), pair),
+    ):
+        with pytest.raises(ValueError, match=missing):
+            fmt.encode(record, "x.jsonl:1")
+    PromptFormat(ours, TEMPLATE, width=1024).encode(prompt, "x.jsonl:1")
+    PreferenceFormat(ours, TEMPLATE, 1024).encode(pair, "x.jsonl:1")
