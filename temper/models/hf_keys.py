@@ -228,3 +228,8 @@ def decoder_rules(args: DecoderArgs, block: Callable[[int], list[KeyRule]]) -> l
     for i in range(args.n_layers):
         rules += block(i)
     return rules + head_rules(args)
+
+
+def uniform_rules(args: DecoderArgs, keys: Mapping[str, str]) -> list[KeyRule]:
+    """``decoder_rules`` of a model whose every block holds the same ``keys``."""
+    return decoder_rules(args, lambda i: block_rules(i, keys))

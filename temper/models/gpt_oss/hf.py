@@ -18,8 +18,7 @@ from temper.models.hf_keys import (
     SILU,
     ConfigNames,
     attention_keys,
-    block_rules,
-    decoder_rules,
+    uniform_rules,
 )
 
 CONFIG = ConfigNames(
@@ -72,7 +71,7 @@ def args_to_hf(args: GptOssArgs) -> dict[str, Any]:
 
 def key_rules(args: GptOssArgs) -> list[KeyRule]:
     block = {**attention_keys(bias=True), **OWN_BLOCK_KEYS}
-    return decoder_rules(args, lambda i: block_rules(i, block))
+    return uniform_rules(args, block)
 
 
 ADAPTER = HFAdapter(

@@ -7,9 +7,8 @@ from temper.models.hf_keys import (
     BLOCK_NORM_KEYS,
     ConfigNames,
     attention_keys,
-    block_rules,
-    decoder_rules,
     mlp_keys,
+    uniform_rules,
 )
 from temper.models.llama3.args import LlamaArgs
 
@@ -31,7 +30,7 @@ def key_rules(args: LlamaArgs) -> list[KeyRule]:
         **mlp_keys(bias=args.mlp_bias),
         **BLOCK_NORM_KEYS,
     }
-    return decoder_rules(args, lambda i: block_rules(i, block))
+    return uniform_rules(args, block)
 
 
 ADAPTER = HFAdapter(

@@ -11,9 +11,8 @@ from temper.models.hf_keys import (
     SILU,
     ConfigNames,
     attention_keys,
-    block_rules,
-    decoder_rules,
     mlp_keys,
+    uniform_rules,
 )
 from temper.models.qwen3.args import Qwen3Args
 
@@ -51,7 +50,7 @@ def attention_block(args: Qwen3Args) -> dict[str, str]:
 
 def key_rules(args: Qwen3Args) -> list[KeyRule]:
     block = {**attention_block(args), **mlp_keys()}
-    return decoder_rules(args, lambda i: block_rules(i, block))
+    return uniform_rules(args, block)
 
 
 ADAPTER = HFAdapter(
