@@ -29,8 +29,8 @@ OWN_NAMES = {
     "linear_conv_kernel": "linear_conv_kernel_dim",
     "shared_expert_hidden_dim": "shared_expert_intermediate_size",
 }
-# The transformers configs' defaults; head_dim 0: hidden_size / heads; ffn_hidden_dim 0: no
-# dense MLP (Qwen3.5-MoE); no layer_types: from full_attention_interval.
+# The hybrids' transformers defaults beyond hf_keys.HF_DEFAULTS; ffn_hidden_dim 0: no dense MLP
+# (Qwen3.5-MoE); no layer_types: from full_attention_interval.
 DEFAULTS = {
     "ffn_hidden_dim": 0,
     "layer_types": (),
@@ -104,6 +104,8 @@ def hybrid_args_from_hf(config: dict[str, Any], names: ConfigNames, *, mrope: bo
 
 
 def hybrid_args_to_hf(args: HybridArgs, names: ConfigNames) -> dict[str, Any]:
+    """config.json of a (text) hybrid: partial and multimodal rotary in `rope_parameters`,
+    no `intermediate_size` without dense MLPs."""
     rope: dict[str, Any] = {
         "rope_type": "default",
         "rope_theta": args.rope_theta,
