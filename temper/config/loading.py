@@ -41,10 +41,13 @@ def load_config(
     config = _call_recipe(recipe, module, function)
     _select_objective(config, argv)
     cli_type = _runtime_typed(type(config), config)
+    default = cli_type(**_sections(config))
+    if "-h" in argv or "--help" in argv:  # tyro prints the tree and exits
+        cli_type, default = _help_typed(cli_type, config)
     description = inspect.getdoc(recipe) or f"Recipe {module}.{function}"
     parsed = tyro.cli(
         cli_type,
-        default=cli_type(**_sections(config)),
+        default=default,
         args=list(argv),
         prog=f"{module}:{function}",
         description=f"{description}\n\n{_objectives_help(config)}",
@@ -111,13 +114,46 @@ def short_help(module: str, function: str, argv: Sequence[str] = (), width: int 
     return "\n".join(lines)
 
 
+def _help_typed(config_type: type[Config], config: Config) -> tuple[type[Config], Config]:
+    """``config_type`` and its instance for ``--help`` alone, each section field's help given
+    on one line: tyro keeps the line breaks of an indented docstring's continuation lines,
+    and wrapped each line of them apart (ragged help)."""
+    sections = {name: _with_flat_help(section) for name, section in _sections(config).items()}
+    fields = [(name, type(s), dataclasses.field(default=None)) for name, s in sections.items()]
+    help_type = dataclasses.make_dataclass(config_type.__name__, fields, bases=(config_type,))
+    return help_type, help_type(**sections)
+
+
+def _with_flat_help(section: object) -> object:
+    """``section`` as an instance of a subclass whose fields carry their help on one line;
+    nested sections (``quantize.float8``) alike."""
+    cls = type(section)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    values = {f.name: getattr(section, f.name) for f in dataclasses.fields(cls)}
+    fields = []
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            values[name] = _with_flat_help(value)
+            hint = type(values[name])
+        text = _field_doc(cls, name) or None
+        fields.append((name, typing.Annotated[hint, tyro.conf.arg(help=text)], None))
+    fields = [(name, hint, dataclasses.field(default=None)) for name, hint, _ in fields]
+    help_cls = dataclasses.make_dataclass(cls.__name__, fields, bases=(cls,))
+    return help_cls(**values)
+
+
 def _field_doc(cls: type, name: str) -> str:
     """The string under ``name``'s annotation in ``cls`` or a base (its help text), on one
     line."""
     for klass in cls.__mro__:
         if not dataclasses.is_dataclass(klass):
             continue
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # a class made at runtime: its bases hold the text
+            continue
+        body = ast.parse(textwrap.dedent(source)).body[0].body
         for node, after in zip(body, body[1:], strict=False):
             if (
                 isinstance(node, ast.AnnAssign)

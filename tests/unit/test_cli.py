@@ -105,3 +105,25 @@ def test_a_finished_run_is_answered_before_anything_is_built(
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines()[-1].startswith(complete)
     assert "step " not in result.stdout  # no rank started
+
+
+def test_help_all_wraps_each_field_help_as_one_paragraph(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every option's help is filled greedily: a line ends early only when the next word
+    does not fit (tyro kept the breaks of indented docstring lines and wrapped each alone,
+    leaving lines such as '(name and')."""
+    with pytest.raises(SystemExit):
+        main(["--help_all"])
+    blocks: list[list[str]] = [[]]
+    for line in capsys.readouterr().out.splitlines():
+        text = line.strip("│").rstrip()  # boxes on a terminal, plain when captured
+        if text.startswith(" " * 6) and text.strip():
+            blocks[-1].append(text.strip())
+        elif blocks[-1]:
+            blocks.append([])
+    width = max(len(text) for block in blocks for text in block)
+    assert len(blocks) > 100
+    for block in blocks:
+        for line, after in zip(block, block[1:], strict=False):
+            assert len(line) + 1 + len(after.split()[0]) > width, block
