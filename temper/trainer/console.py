@@ -128,6 +128,8 @@ class RunCounts:
 
     def __init__(self) -> None:
         self.local = {"trained_tokens": 0, "positions": 0, "pairs": 0, "empty_label_rows": 0}
+        self.carried: dict[str, int] = {}
+        """The run's totals at the checkpoint it resumed from (``TrainState`` keeps them)."""
         self._announced: set[str] = set()
 
     def add(self, batch: Batch) -> None:
@@ -140,6 +142,11 @@ class RunCounts:
                 self.local["empty_label_rows"] += int((trained == 0).sum())
         if "chosen_input_ids" in batch:
             self.local["pairs"] += batch["chosen_input_ids"].shape[0]
+
+    def totals(self, summed: dict[str, int]) -> dict[str, int]:
+        """``summed`` (this process's counts over the data ranks) plus the run's before a resume,
+        so a resumed run logs what the uninterrupted one does."""
+        return {name: value + self.carried.get(name, 0) for name, value in summed.items()}
 
     def notices(self, step: int, counts: dict[str, int], config: Config) -> list[str]:
         """One line for each of truncated, dropped and empty-label rows the first time its

@@ -3,19 +3,21 @@ comes next, and the RL rollout still being trained on."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from temper.data.batch import Batch
 from temper.data.loader import BatchLoader
 from temper.data.stream import merge_states
 from temper.parallel.collectives import all_gather_objects
+from temper.trainer.console import RunCounts
 from temper.trainer.rollout_buffer import Rollout, restore_rollout, rollout_state
 
 
 class TrainState:
-    """Step, tokens seen, the loader's position and the current rollout: a ``Stateful`` that
-    ``Engine.save`` writes and ``Engine.load`` restores.
+    """Step, tokens seen, the run's counts (``RunCounts``' totals over the data ranks), the
+    loader's position and the current rollout: a ``Stateful`` that ``Engine.save`` writes and
+    ``Engine.load`` restores.
 
     Each data rank holds its own lanes of the stream; saving gathers them all, so the saved
     position resumes at any data-parallel size (``temper.data.stream``).
@@ -32,12 +34,16 @@ class TrainState:
     def __init__(
         self,
         loader: BatchLoader,
+        counts: RunCounts,
+        sum_counts: Callable[[Mapping[str, int]], dict[str, int]],
         *,
         updates_per_rollout: int = 1,
         rollout_template: Callable[[], list[Batch]] | None = None,
         rollout_width: int = 0,
     ) -> None:
         self.loader = loader
+        self.counts = counts
+        self.sum_counts = sum_counts
         self.step = 0
         self.tokens_seen = 0
         self.skipped: list[int] = []
@@ -57,6 +63,7 @@ class TrainState:
                 "step": self.step,
                 "tokens_seen": self.tokens_seen,
                 "skipped": self.skipped,
+                "run_counts": self.counts.totals(self.sum_counts(self.counts.local)),
             },
         }
         if self.mid_rollout():
@@ -71,5 +78,6 @@ class TrainState:
         self.step = state["train_state"]["step"]
         self.tokens_seen = state["train_state"]["tokens_seen"]
         self.skipped = list(state["train_state"].get("skipped", []))
+        self.counts.carried = dict(state["train_state"].get("run_counts", {}))
         if "rollout" in state:
             self.rollout = restore_rollout(state["rollout"])

@@ -102,7 +102,7 @@ class Trainer:
     def _train_state(self) -> TrainState:
         objective, config, device = self.objective, self.config, self.engine.device
         if self.driver is None:
-            return TrainState(self.loader)
+            return TrainState(self.loader, self.counts, self.sum_counts)
         assert isinstance(objective, RolloutObjective)
 
         def template() -> list[Batch]:
@@ -113,6 +113,8 @@ class Trainer:
 
         return TrainState(
             self.loader,
+            self.counts,
+            self.sum_counts,
             updates_per_rollout=objective.updates_per_rollout,
             rollout_template=template,
             rollout_width=config.training.seq_len,
@@ -254,7 +256,7 @@ class Trainer:
             for key, ids in micro_batch.items():
                 if key.endswith("input_ids"):
                     self.throughput.add_rows(ids.shape[0], ids.shape[-1], share.get(key, 1.0))
-        counts = self.sum_counts(self.loader.dataset.stats | self.counts.local)
+        counts = self.counts.totals(self.sum_counts(self.loader.dataset.stats | self.counts.local))
         for line in self.counts.notices(self.state.step, counts, self.config):
             self._say(line)
         stats = {f"data_{name}": torch.tensor(float(v)) for name, v in counts.items()}

@@ -252,3 +252,20 @@ def test_a_second_ctrl_c_exits_during_a_long_operation(tmp_path: Path) -> None:
     assert run.returncode == 130, err
     assert err.strip() == "temper: interrupted"
     assert "returned" not in out
+
+
+def test_a_resumed_run_logs_the_counts_of_the_uninterrupted_one(tmp_path: Path) -> None:
+    """The run's counts are checkpointed: step 2 after a resume at step 1 logs the totals the
+    run without a stop logs at step 2 (before, they restarted from zero)."""
+
+    def run(folder: Path, steps: int) -> dict:
+        args = [*TINY, "--training.steps", str(steps)]
+        assert main([*args, "--checkpoint.interval", "1", "--job.dump_folder", str(folder)]) == 0
+        return json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])
+
+    whole = run(tmp_path / "whole", 2)
+    run(tmp_path / "resumed", 1)
+    resumed = run(tmp_path / "resumed", 2)
+    counts = {k: v for k, v in whole.items() if k.startswith("data_")}
+    assert resumed["step"] == whole["step"] == 2 and counts["data_positions"] > 0
+    assert {k: resumed[k] for k in counts} == counts
