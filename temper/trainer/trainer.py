@@ -51,11 +51,11 @@ class Trainer:
 
     def __init__(self, config: Config, runtime: Runtime | None = None) -> None:
         runtime = runtime or init_runtime()
+        config.validate(runtime.world_size)  # a bad layout leaves no run folder behind
         self.run_lock = hold_run_folder(config.job.dump_folder, runtime)
         self.stop = StopRequest()
         """What stopped ``train`` early: its signal, cause and exit code."""
         if config.checkpoint.initial_load is None and config.checkpoint.initial_recipe:
-            config.validate(runtime.world_size)
             config.checkpoint.initial_load = train_initial_checkpoint(config, runtime)
         self.config = config
         if config.model.hf_path is not None and runtime.is_main:
