@@ -72,6 +72,12 @@ def pad_tokens(t: torch.Tensor, pad: int, value: float = 0) -> torch.Tensor:
     return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad), value=value)
 
 
+def real_shares(batch: Batch) -> dict[str, float]:
+    """``real_share`` of each kind of row in ``batch`` (a DPO pair's two), by its ids' key."""
+    ids = [key for key in batch if key.endswith("input_ids")]
+    return {key: real_share(batch, key.removesuffix("input_ids")) for key in ids}
+
+
 def real_share(batch: Batch, prefix: str = "") -> float:
     """The share of the ``{prefix}input_ids`` positions that are real tokens (1 where the
     batch does not say): read on the host, before the batch moves, so it syncs nothing."""

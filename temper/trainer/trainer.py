@@ -3,20 +3,16 @@ rollouts, metrics and the checkpoint cadence."""
 
 from __future__ import annotations
 
-import shlex
-import shutil
 import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from temper.checkpoint.convert import dcp_to_hf
-from temper.checkpoint.manager import DiskFull, checkpoint_dir
-from temper.config import Config, load_config, save_config
-from temper.data.batch import Batch, real_share
+from temper.checkpoint.manager import DiskFull
+from temper.config import Config, save_config
+from temper.data.batch import Batch, real_shares
 from temper.data.loader import build_loader
 from temper.engine import Engine, NonFiniteError
 from temper.objectives import Objective, RolloutObjective, build_objective, micro_batch_scope
@@ -32,9 +28,11 @@ from temper.trainer.console import (
     stopped_line,
     summary_line,
 )
+from temper.trainer.initial import export_hf, train_initial_checkpoint
 from temper.trainer.loggers import open_loggers
 from temper.trainer.metrics import MetricsLogger, Throughput, peak_memory_gib
 from temper.trainer.moe_load import MoELoad, write_load
+from temper.trainer.nonfinite import skip_nonfinite
 from temper.trainer.phases import PhaseTimer
 from temper.trainer.profiling import StepProfiler
 from temper.trainer.run_lock import hold_run_folder
@@ -56,7 +54,9 @@ class Trainer:
         self.stop = StopRequest()
         """What stopped ``train`` early: its signal, cause and exit code."""
         if config.checkpoint.initial_load is None and config.checkpoint.initial_recipe:
-            config.checkpoint.initial_load = train_initial_checkpoint(config, runtime)
+            config.checkpoint.initial_load = train_initial_checkpoint(
+                config, lambda first: Trainer(first, runtime).train(), runtime.is_main
+            )
         self.config = config
         if config.model.hf_path is not None and runtime.is_main:
             print(f"temper: building the model, weights from {config.model.hf_path}", flush=True)
@@ -185,13 +185,8 @@ class Trainer:
                 if export and self.engine.runtime.is_main:
                     self._say(f"temper: exported {export_hf(self.config, state.step)}")
         self.phases.step_done()
-        validated = any(name.startswith("val_") for name in metrics)
-        if (
-            state.step % self.config.metrics.log_freq == 0
-            or last
-            or validated
-            or ("skipped" in metrics)
-        ):
+        due = last or state.step % self.config.metrics.log_freq == 0
+        if due or "skipped" in metrics or any(name.startswith("val_") for name in metrics):
             self._log(metrics)
 
     def _save_on_stop(self) -> None:
@@ -219,14 +214,7 @@ class Trainer:
         for micro_batch in micro_batches:
             self.counts.add(micro_batch)
         # The real (non-padding) share of each sequence, read before the batch moves.
-        shares = [
-            {
-                key: real_share(mb, key.removesuffix("input_ids"))
-                for key in mb
-                if key.endswith("input_ids")
-            }
-            for mb in micro_batches
-        ]
+        shares = [real_shares(mb) for mb in micro_batches]
         micro_batches = [engine.prepare_batch(mb) for mb in micro_batches]
         local = sum(self.objective.count(mb) for mb in micro_batches)
         global_count = all_reduce_sum(torch.as_tensor(local, device=engine.device))
@@ -250,7 +238,11 @@ class Trainer:
             with self.phases("optimizer"):
                 metrics |= engine.step(loss)
         except NonFiniteError as error:
-            metrics |= self._skip_nonfinite(error)
+            lr = engine.optimizer.param_groups[0]["lr"]  # the lr the step would have had
+            budget = self.config.training.skip_nonfinite
+            skipped, line = skip_nonfinite(error, self.state.step, self.state.skipped, budget, lr)
+            metrics |= skipped
+            self._say(line)
         # Every sequence the model ran: a DPO pair's chosen and rejected rows both count.
         for micro_batch, share in zip(micro_batches, shares, strict=True):
             for key, ids in micro_batch.items():
@@ -261,30 +253,6 @@ class Trainer:
             self._say(line)
         stats = {f"data_{name}": torch.tensor(float(v)) for name, v in counts.items()}
         return {"loss": loss, **metrics, **stats}
-
-    def _skip_nonfinite(self, error: NonFiniteError) -> StepMetrics:
-        """A step ``engine.step`` refused: skipped and logged while ``training.skip_nonfinite``
-        allows one more, else NonFiniteError saying which steps were skipped before. A skipped
-        step applies no update and leaves the learning-rate schedule where it was; its data
-        is consumed, so the next step trains on the next batch."""
-        state, budget = self.state, self.config.training.skip_nonfinite
-        if len(state.skipped) >= budget:
-            raise NonFiniteError(
-                nonfinite_stop_message(state.step, error.values, state.skipped, budget),
-                error.values,
-                error.grad_norm,
-            ) from None
-        state.skipped.append(state.step)
-        self._say(
-            f"temper: step {state.step}: {error.values} is not finite; skipped it without an "
-            f"update ({len(state.skipped)} of training.skip_nonfinite {budget})"
-        )
-        lr = self.engine.optimizer.param_groups[0]["lr"]  # the lr the step would have had
-        return {
-            "grad_norm": torch.tensor(error.grad_norm),
-            "lr": torch.tensor(lr),
-            "skipped": torch.tensor(1.0),
-        }
 
     def offload_optimizer(self) -> None:
         """See ``Engine.offload_optimizer``."""
@@ -311,18 +279,12 @@ class Trainer:
             moe, counts = self.moe_load.summary()
             values.update(moe)
             freq = self.config.profiling.moe_heatmap_freq
-            if freq and state.step % freq == 0 and counts is not None:
-                self._draw_load(counts)
+            if freq and state.step % freq == 0 and counts is not None and self.metrics.enabled:
+                # The layer x expert map of the tokens routed since the last log step.
+                folder = Path(self.config.job.dump_folder) / "moe"
+                image = write_load(folder, state.step, self.moe_load.layer_ids(), counts)
+                self.metrics.log_image("moe/load", image, state.step)
         self.metrics.log(state.step, values)
-
-    def _draw_load(self, counts: np.ndarray) -> None:
-        """The layer x expert map of the tokens routed since the last log step: TensorBoard's
-        ``moe/load`` image and ``<dump_folder>/moe/step-<N>.png`` (rank 0)."""
-        if not self.engine.runtime.is_main:
-            return
-        step, folder = self.state.step, Path(self.config.job.dump_folder) / "moe"
-        image = write_load(folder, step, self.moe_load.layer_ids(), counts)
-        self.metrics.log_image("moe/load", image, step)
 
     def _next_batches(self, batches: Iterator[Batch]) -> tuple[list[Batch], StepMetrics]:
         """The next step's micro-batches; an RL objective's driver makes them from prompts
@@ -331,49 +293,3 @@ class Trainer:
             return [next(batches) for _ in range(self.grad_accum)], {}
         with self.phases("rollout"):
             return self.driver.next_batches(batches, self.state)
-
-
-def nonfinite_stop_message(step: int, values: str, skipped: list[int], budget: int) -> str:
-    """Why a run stopped at a non-finite step, naming the steps it skipped before."""
-    if budget == 0:
-        allowance = "; --training.skip_nonfinite N would skip up to N such steps"
-    else:
-        earlier = ", ".join(map(str, skipped))
-        allowance = f" after skipping steps {earlier} (training.skip_nonfinite {budget})"
-    return (
-        f"step {step}: {values} is not finite; the update was not applied and training "
-        f"stopped{allowance}. Lower optimizer.lr or check the data."
-    )
-
-
-def export_hf(config: Config, step: int) -> Path:
-    """``dcp-to-hf`` of checkpoint ``step`` into ``<job.dump_folder>/hf/step-<step>``."""
-    output = Path(config.job.dump_folder) / "hf" / f"step-{step}"
-    root = Path(config.job.dump_folder) / config.checkpoint.folder
-    if output.exists():  # a step trained again after a resume: its new weights replace it
-        shutil.rmtree(output)
-    dcp_to_hf(checkpoint_dir(root, step), output)
-    return output
-
-
-def train_initial_checkpoint(config: Config, runtime: Runtime) -> str:
-    """Train `checkpoint.initial_recipe` (``module:function``, then any overrides) into
-    ``<dump_folder>/initial`` and return its final checkpoint, the run's starting weights. A
-    finished earlier run is reused, so a restarted run does not train it again."""
-    recipe, *overrides = shlex.split(config.checkpoint.initial_recipe)
-    module, _, function = recipe.partition(":")
-    first = load_config(module, function, overrides)
-    first.job.dump_folder = str(Path(config.job.dump_folder) / "initial")
-    first.checkpoint.enable = True
-    first.metrics.tensorboard = config.metrics.tensorboard
-    final = checkpoint_dir(
-        Path(first.job.dump_folder) / first.checkpoint.folder, first.training.steps
-    )
-    if not final.is_dir():
-        if runtime.is_main:
-            print(
-                f"temper: no checkpoint.initial_load; training {module}:{function} first",
-                flush=True,
-            )
-        Trainer(first, runtime).train()
-    return str(final)
