@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +29,24 @@ def model_metadata(model: nn.Module) -> dict[str, Any]:
     }
 
 
+def _temper_version() -> str:
+    """The installed package's version; a checkout run from PYTHONPATH, not installed (as on
+    a machine without a package index), has none, and its checkpoints still save."""
+    try:
+        return version("temper")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def build_metadata(
     model: nn.Module, *, step: int, structure: dict[str, Any], extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    from importlib.metadata import version
-
     return {
         "format": FORMAT_VERSION,
         "step": step,
         "model": model_metadata(model),
         "structure": structure,
-        "versions": {"temper": version("temper"), "torch": torch.__version__},
+        "versions": {"temper": _temper_version(), "torch": torch.__version__},
         **(extra or {}),
     }
 

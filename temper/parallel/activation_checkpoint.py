@@ -27,6 +27,7 @@ import temper.kernels.grouped_gemm  # noqa: F401  (registers torch.ops.temper.gr
 from temper.kernels.attention import ATTENTION_OPS
 from temper.models.layers.moe import keep_first_routing
 from temper.utils.compat import sac_ignores_profiler_annotations
+from temper.utils.recompute import inside_recomputed_whole
 
 CheckpointMode = Literal["none", "full", "selective"]
 
@@ -78,26 +79,8 @@ def _checkpointed(
     return run
 
 
-_whole = 0
-
-
-@contextlib.contextmanager
-def recomputed_whole() -> Iterator[None]:
-    """Inside, eager selective checkpointing keeps no op's output, so the code that runs in
-    it is recomputed whole. Compiled code runs in it (`apply_compile`'s parts): the ops it
-    calls through the dispatcher (extern matmuls, collectives) write into buffers that the
-    compiled code reuses for later values, so an output kept from them could be overwritten
-    before the recomputation reads it (SAC's version check does not see such writes)."""
-    global _whole
-    _whole += 1
-    try:
-        yield
-    finally:
-        _whole -= 1
-
-
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op in SAVED_OPS and not _whole:
+    if op in SAVED_OPS and not inside_recomputed_whole():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

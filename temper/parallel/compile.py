@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from temper.models.layers.moe import MoE
-from temper.parallel.activation_checkpoint import recomputed_whole
 from temper.utils.compat import forward_side_effects_once
+from temper.utils.recompute import recomputed_whole
 
 
 def apply_compile(

@@ -124,6 +124,22 @@ def test_structure_differences_are_named() -> None:
     ]
 
 
+def test_metadata_builds_from_a_checkout_that_is_not_installed(monkeypatch) -> None:
+    """Run from PYTHONPATH (a machine with no package index), `temper` has no package
+    metadata: the checkpoint still saves, saying so, as it did not on the GPU check."""
+    from importlib.metadata import PackageNotFoundError
+
+    from temper.checkpoint import metadata
+
+    def missing(name: str) -> str:
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    built = build_metadata(tiny_model(), step=1, structure=STRUCTURE)
+    assert built["versions"]["temper"] == "not installed"
+    assert built["versions"]["torch"] == torch.__version__
+
+
 def test_dcp_to_hf_loads_in_transformers(tmp_path: Path) -> None:
     model = tiny_model(0)
     manager = CheckpointManager(tmp_path / "ckpt", keep_latest_k=0, async_mode=False)

@@ -46,9 +46,9 @@ def _by_hand(q, k, v, docs, window, sinks):  # noqa: ANN001, ANN202
     return out
 
 
-def _qkv(requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
+def _qkv(requires_grad: bool = False, head_dim: int = 8) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 16, n, 8, generator=g) for n in (4, 2, 2))
+    q, k, v = (torch.randn(2, 16, n, head_dim, generator=g) for n in (4, 2, 2))
     sinks = torch.randn(4, generator=g)
     return tuple(t.requires_grad_(requires_grad) for t in (q, k, v, sinks))
 
@@ -117,13 +117,15 @@ def test_clamped_swiglu_by_hand() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [8, 64])
 @pytest.mark.parametrize("packed", [False, True])
-def test_flex_trains_like_sdpa_with_sinks_and_window_on_cuda(packed: bool) -> None:
+def test_flex_trains_like_sdpa_with_sinks_and_window_on_cuda(packed: bool, head_dim: int) -> None:
     """On CUDA flex is what ``auto`` runs for sinks: output and every gradient (through its
-    log-sum-exp for the sinks) against the sdpa reference, fp32."""
-    q, k, v, sinks = (t.cuda().requires_grad_() for t in _qkv())
+    log-sum-exp for the sinks) against the sdpa reference, fp32; the compiled kernel at
+    gpt-oss's head size, eager flex below inductor's 16."""
+    q, k, v, sinks = (t.cuda().requires_grad_() for t in _qkv(head_dim=head_dim))
     docs = DocumentMask.from_position_ids(POSITIONS.cuda()) if packed else None
-    weights = torch.randn(2, 16, 4, 8, device="cuda")
+    weights = torch.randn(2, 16, 4, head_dim, device="cuda")
     results = []
     for backend in ("sdpa", "auto"):
         out = attention(q, k, v, docs, backend=backend, window=4, sinks=sinks)
@@ -131,8 +133,10 @@ def test_flex_trains_like_sdpa_with_sinks_and_window_on_cuda(packed: bool) -> No
         results.append([out.detach(), *(t.grad.clone() for t in (q, k, v, sinks))])
         for t in (q, k, v, sinks):
             t.grad = None
-    for got, expected in zip(results[1], results[0], strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    names = ("output", "q.grad", "k.grad", "v.grad", "sinks.grad")
+    errors = {n: (g - e).abs().max().item() for n, g, e in zip(names, *results[::-1], strict=True)}
+    for name, got, expected in zip(names, results[1], results[0], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=f"{name}: {errors}")
 
 
 def test_flops_count_sliding_layers_over_their_window() -> None:
