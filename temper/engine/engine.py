@@ -27,8 +27,7 @@ from temper.models import build_hf_model, build_model, materialize
 from temper.models.freeze import freeze_parts
 from temper.models.hf import hf_module_names, hf_named_tensors
 from temper.models.lora import apply_lora, init_lora
-from temper.models.protocols import PostStepHook
-from temper.models.qwen3_5_vl.model import VisionLanguage
+from temper.models.protocols import PostStepHook, VisionModel
 from temper.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from temper.parallel.dims import ParallelDims
 from temper.parallel.fsdp import move_buffers, parameter_device
@@ -300,7 +299,7 @@ def build_run_model(config: Config, tokenizer: Tokenizer) -> nn.Module:
         freeze_parts(model, config.model.freeze)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if is_image_data(config.data) and not isinstance(model, VisionLanguage):
+    if is_image_data(config.data) and not isinstance(model, VisionModel):
         raise ConfigError(
             f"data.path {config.data.path or '(built-in image task)'} holds images, but "
             f"{type(model).__name__} has no vision tower: train a vision-language model "

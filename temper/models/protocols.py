@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from temper.models.layers.mtp import MTPLoss
@@ -44,3 +45,19 @@ class MultiTokenPredictor(Protocol):
     def mtp_loss(
         self, labels: torch.Tensor, position_ids: torch.Tensor | None
     ) -> MTPLoss | None: ...
+
+
+@runtime_checkable
+class VisionModel(Protocol):
+    """A model that reads images (Qwen3.5's vision-language families): ``embed`` puts the
+    vision tower's features in place of the image tokens' embeddings, from ``pixel_values``
+    and ``image_grid_thw`` as transformers' processor gives them."""
+
+    visual: nn.Module
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+    ) -> torch.Tensor: ...
