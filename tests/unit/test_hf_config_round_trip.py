@@ -10,6 +10,8 @@ import pytest
 from transformers import (
     AutoConfig,
     DeepseekV3Config,
+    DeepseekV32Config,
+    GlmMoeDsaConfig,
     GptOssConfig,
     LlamaConfig,
     PretrainedConfig,
@@ -59,6 +61,24 @@ TOKENS = {
     "video_token_id": 91,
     "vision_start_token_id": 92,
     "vision_end_token_id": 93,
+}
+DSA = {
+    "intermediate_size": 80,
+    "moe_intermediate_size": 16,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 3,
+    "n_group": 4,
+    "topk_group": 2,
+    "q_lora_rank": 20,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 12,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 10,
+    "index_n_heads": 3,
+    "index_head_dim": 16,
+    "index_topk": 5,
 }
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -137,6 +157,14 @@ CONFIGS: dict[str, PretrainedConfig] = {
         num_nextn_predict_layers=2,
         rope_parameters=YARN,
     ),
+    "deepseek_v32": DeepseekV32Config(
+        **(SHAPE | {"num_key_value_heads": 4}),
+        **DSA,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=False,
+        rope_parameters=YARN,
+    ),
+    "glm_moe_dsa": GlmMoeDsaConfig(**(SHAPE | {"num_key_value_heads": 4}), **DSA),
     "qwen3_next": Qwen3NextConfig(
         **SHAPE,
         **HYBRID,

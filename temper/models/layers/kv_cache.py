@@ -89,11 +89,26 @@ class LayerCache:
         """[b, kernel - 1, channels]: the convolution inputs of the latest columns."""
         self.state: torch.Tensor | None = None
         """[b, n_v_heads, d_k, d_v]: the delta rule's state after the latest column."""
+        self.index_k: torch.Tensor | None = None
+        """[b, max_len, d]: DeepSeek sparse attention's indexer keys."""
 
     def valid_columns(self, n: int) -> torch.Tensor:
         """[b, n] True where the running forward's n tokens are real (not left padding)."""
         end = self.cache.length
         return self.cache.valid[:, end - n : end]
+
+    def visible(self) -> torch.Tensor:
+        """[b, n, end] True where the running forward's queries see a filled column."""
+        return self.cache.bias[:, 0] == 0
+
+    def index_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Store this forward's indexer keys k [b, n, d] in their columns; every one so far
+        [b, end, d]."""
+        cache = self.cache
+        if self.index_k is None:
+            self.index_k = k.new_zeros(cache.valid.shape[0], cache.valid.shape[1], k.shape[2])
+        self.index_k[:, cache.length - k.shape[1] : cache.length] = k
+        return self.index_k[:, : cache.length]
 
     def attend(
         self,
@@ -103,10 +118,12 @@ class LayerCache:
         scale: float | None = None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        chosen: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this forward's k, v [b, n, h_kv, d] in their columns, then attend q [b, n, h, d]
         to every key so far: [b, n, h, d_v]. ``scale``, ``window`` (in columns, as
-        transformers' sliding caches count) and ``sinks`` as for ``attention``."""
+        transformers' sliding caches count) and ``sinks`` as for ``attention``; ``chosen``
+        [b, n, end] (DeepSeek sparse attention's top-k) narrows each query's keys further."""
         cache = self.cache
         if self.k is None or self.v is None:
             b, max_len = cache.valid.shape
@@ -119,6 +136,8 @@ class LayerCache:
         if window is not None:
             band = causal_band(q.shape[1], end, window, q.device)
             bias = bias.masked_fill(~band, float("-inf"))
+        if chosen is not None:
+            bias = bias.masked_fill(~chosen[:, None], float("-inf"))
         keys, values = self.k[:, :, :end], self.v[:, :, :end]
         return cached_attention(q, keys, values, bias, scale=scale, sinks=sinks)
 
@@ -199,6 +218,13 @@ class StaticLayerCache(LayerCache):
     def valid_columns(self, n: int) -> torch.Tensor:
         return self.cache.valid.index_select(1, self.cache.columns)
 
+    def index_keys(self, k: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        if self.index_k is None:
+            self.index_k = k.new_zeros(cache.valid.shape[0], cache.valid.shape[1], k.shape[2])
+        self.index_k[:, cache.columns] = k
+        return self.index_k[:, : cache.keys.shape[0]]
+
     def attend(
         self,
         q: torch.Tensor,
@@ -207,6 +233,7 @@ class StaticLayerCache(LayerCache):
         scale: float | None = None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        chosen: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cache = self.cache
         if self.k is None or self.v is None:
@@ -219,6 +246,8 @@ class StaticLayerCache(LayerCache):
         bias, keys = cache.bias, cache.keys
         if window is not None:  # the band by column, as attention's causal_band draws it
             bias = torch.where(cache.columns[:, None] - keys < window, bias, float("-inf"))
+        if chosen is not None:
+            bias = bias.masked_fill(~chosen[:, None], float("-inf"))
         filled = keys.shape[0]
         k_seen, v_seen = self.k[:, :, :filled], self.v[:, :, :filled]
         return cached_attention(q, k_seen, v_seen, bias, scale=scale, sinks=sinks)

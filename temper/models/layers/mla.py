@@ -76,20 +76,15 @@ class MLA(nn.Module):
         for norm in norms:
             norm.reset_parameters()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None = None,
-        backend: Backend = "auto",
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
-        """x [b, s, dim] and fp32 cos/sin [b, s, qk_rope_head_dim] -> [b, s, dim]; ``docs``
-        and ``backend`` as for ``causal_attention``; ``cache`` (decoding) keeps the expanded
-        per-head keys and values."""
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q, k [b, s, n_heads, qk_head_dim] with rotary applied, v [b, s, n_heads,
+        v_head_dim], and the normed query latent [b, s, q_lora_rank] (None without
+        ``q_lora_rank``), which DeepSeek sparse attention's indexer reads too."""
         b, s, _ = x.shape
-        q = self.wq(x) if self.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_latent = None if self.q_lora_rank is None else self.q_norm(self.wq_a(x))
+        q = self.wq(x) if q_latent is None else self.wq_b(q_latent)
         q_nope, q_rope = q.view(b, s, self.n_heads, -1).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
@@ -105,6 +100,21 @@ class MLA(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_interleaved)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, self.n_heads, -1)), dim=-1)
+        return q, k, v, q_latent
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: DocumentMask | None = None,
+        backend: Backend = "auto",
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        """x [b, s, dim] and fp32 cos/sin [b, s, qk_rope_head_dim] -> [b, s, dim]; ``docs``
+        and ``backend`` as for ``causal_attention``; ``cache`` (decoding) keeps the expanded
+        per-head keys and values."""
+        q, k, v, _ = self.project(x, cos, sin)
         if cache is None:
             out = self.attend(q, k, v, docs, backend=backend, scale=self.softmax_scale)
         else:

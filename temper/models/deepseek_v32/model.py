@@ -1,0 +1,44 @@
+"""DeepSeek V3.2: DeepSeek V3 whose attention is DeepSeek Sparse Attention."""
+
+from __future__ import annotations
+
+from temper.models.deepseek_v3.model import DeepseekV3Transformer
+from temper.models.deepseek_v32.args import DeepseekV32Args
+from temper.models.layers.sparse_attention import SparseMLA
+
+
+class DeepseekV32Transformer(DeepseekV3Transformer):
+    """DeepSeek V3 (MoE, router, decoder) with ``SparseMLA`` in every layer."""
+
+    args: DeepseekV32Args
+    index_rope_interleaved: bool = False
+    """The indexer rotates in the rotate-half layout (DeepSeek V3.2); GLM-5 in pairs."""
+
+    def attention(self, layer_id: int) -> SparseMLA:
+        args = self.args
+        assert args.q_lora_rank is not None  # DeepseekV32Args requires it
+        return SparseMLA(
+            args.dim,
+            args.n_heads,
+            args.q_lora_rank,
+            args.kv_lora_rank,
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+            index_n_heads=args.index_n_heads,
+            index_head_dim=args.index_head_dim,
+            index_topk=args.index_topk,
+            index_rope_interleaved=self.index_rope_interleaved,
+            softmax_scale=args.softmax_scale,
+            rope_scale=args.rope_scale,
+            rope_interleaved=args.rope_interleave,
+        )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """DeepSeek V3's count with each query attending to at most ``index_topk`` keys (what
+        a sparse kernel computes; the reference masks dense scores), plus the indexer's
+        scores, forward only since the main loss does not train it: 2 * n_layers *
+        index_n_heads * index_head_dim * seq_len."""
+        args = self.args
+        indexer = 2.0 * args.n_layers * args.index_n_heads * args.index_head_dim * seq_len
+        return super().flops_per_token(min(seq_len, args.index_topk)) + indexer

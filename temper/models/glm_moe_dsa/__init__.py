@@ -1,0 +1,20 @@
+"""GLM-5 family (`glm_moe_dsa`): DeepSeek V3.2's architecture (MLA, MoE, DeepSeek Sparse
+Attention) with its own sizes and the indexer's rotary in interleaved pairs."""
+
+from temper.models.deepseek_v32.args import check_dsa_layout
+from temper.models.glm_moe_dsa.args import FLAVORS
+from temper.models.glm_moe_dsa.hf import ADAPTER
+from temper.models.glm_moe_dsa.model import GlmMoeDsaTransformer
+from temper.models.registry import ModelSpec, register_model
+
+register_model(
+    ModelSpec(
+        "glm_moe_dsa",
+        FLAVORS,
+        GlmMoeDsaTransformer,
+        hf_adapter=ADAPTER,
+        check_layout=check_dsa_layout,
+    )
+)
+
+__all__ = ["FLAVORS", "GlmMoeDsaTransformer"]

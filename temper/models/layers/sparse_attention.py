@@ -1,0 +1,182 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek V3.2 and GLM-5): a small "lightning indexer"
+scores every visible key for every query, and multi-head latent attention then attends to each
+query's ``topk`` best keys only.
+
+The indexer's score of key s for query t is
+
+    I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s] / sqrt(d))
+
+over its ``n_heads`` query heads j (from the attention's query latent), one key head k (from
+the hidden state, LayerNorm-ed) and per-query head weights w (``weights_proj``, times
+``n_heads ** -0.5``). Rotary embeddings turn the first ``rope_dim`` dims of q and k, in the
+rotate-half layout (DeepSeek V3.2) or in interleaved pairs (GLM-5). The selection is discrete:
+it runs without gradient, so the main loss never reaches the indexer (as in transformers, whose
+indexer runs under ``no_grad``).
+
+This is the plain-PyTorch reference: the selection becomes a boolean mask over dense scores,
+so its cost is that of dense attention. Keys a query may not see (future ones, other packed
+documents, left padding) are never selected; when fewer than ``topk`` are visible, all are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from temper.kernels.attention import Backend, DocumentMask, attention, causal_band
+from temper.models.layers.init import init_linear
+from temper.models.layers.kv_cache import LayerCache
+from temper.models.layers.mla import MLA
+from temper.models.layers.rope import apply_rope
+
+INDEXER_NORM_EPS = 1e-6
+"""The eps of the indexer's key LayerNorm in DeepSeek's and transformers' code."""
+
+
+class LightningIndexer(nn.Module):
+    """Scores ``I[t, s]`` (module docstring) from the hidden states and the query latent."""
+
+    def __init__(
+        self,
+        dim: int,
+        q_lora_rank: int,
+        n_heads: int,
+        head_dim: int,
+        rope_dim: int,
+        *,
+        rope_interleaved: bool,
+    ) -> None:
+        super().__init__()
+        if rope_dim > head_dim:
+            raise ValueError(f"index_head_dim {head_dim} must be >= qk_rope_head_dim {rope_dim}")
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+        self.rope_dim = rope_dim
+        self.rope_interleaved = rope_interleaved
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=INDEXER_NORM_EPS)
+        self.weights_proj = nn.Linear(dim, n_heads, bias=False)
+
+    def init_weights(self, std: float) -> None:
+        for linear in (self.wq_b, self.wk, self.weights_proj):
+            init_linear(linear, std)
+        self.k_norm.reset_parameters()
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary on the first ``rope_dim`` dims of x [b, s, h, head_dim]; the rest pass."""
+        r = self.rope_dim
+        return torch.cat((apply_rope(x[..., :r], cos, sin, self.rope_interleaved), x[..., r:]), -1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The one key head [b, s, head_dim] of hidden states x [b, s, dim]."""
+        return self._rotate(self.k_norm(self.wk(x)).unsqueeze(2), cos, sin).squeeze(2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        keys: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """fp32 scores [b, s, t] of the queries x [b, s, dim] (query latent [b, s, q_lora_rank],
+        rotary cos/sin [b, s, rope_dim]) over ``keys`` [b, t, head_dim]."""
+        b, s, _ = x.shape
+        q = self._rotate(self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim), cos, sin)
+        # [b, s, h, d] @ [b, 1, d, t]: every head's dot product with the one key head.
+        logits = q.float() @ keys.float().transpose(1, 2).unsqueeze(1) * self.head_dim**-0.5
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return (weights.unsqueeze(-2) @ F.relu(logits)).squeeze(-2)
+
+
+def select_top_k(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """[b, s, t] True at each query's ``topk`` best-scored ``visible`` keys (all visible ones
+    when fewer): the keys sparse attention keeps."""
+    masked = scores.masked_fill(~visible, float("-inf"))
+    best = masked.topk(min(topk, scores.shape[-1]), dim=-1).indices
+    return torch.zeros_like(visible).scatter(-1, best, True) & visible
+
+
+class SparseMLA(MLA):
+    """MLA whose queries attend only to the keys their ``indexer`` selects (DSA).
+
+    The MLA projections and rotary are the parent's; the indexer reads its query latent, so
+    ``q_lora_rank`` is required. ``backend`` is ignored: the reference attention takes the
+    selection as an explicit mask, which only sdpa does.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        *,
+        index_n_heads: int,
+        index_head_dim: int,
+        index_topk: int,
+        index_rope_interleaved: bool,
+        softmax_scale: float,
+        rope_scale: float = 1.0,
+        rope_interleaved: bool = True,
+    ) -> None:
+        super().__init__(
+            dim,
+            n_heads,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+            softmax_scale=softmax_scale,
+            rope_scale=rope_scale,
+            rope_interleaved=rope_interleaved,
+        )
+        self.index_topk = index_topk
+        self.indexer = LightningIndexer(
+            dim,
+            q_lora_rank,
+            index_n_heads,
+            index_head_dim,
+            qk_rope_head_dim,
+            rope_interleaved=index_rope_interleaved,
+        )
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        super().init_weights(std, out_std)
+        self.indexer.init_weights(std)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: DocumentMask | None = None,
+        backend: Backend = "auto",
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        """As ``MLA.forward``, each query restricted to its selected keys."""
+        q, k, v, q_latent = self.project(x, cos, sin)
+        assert q_latent is not None  # q_lora_rank is required in __init__'s signature
+        cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        with torch.no_grad():
+            keys = self.indexer.keys(x, cos, sin)
+            if cache is not None:
+                keys = cache.index_keys(keys)
+                visible = cache.visible()
+            elif docs is not None:
+                visible = docs.dense()[:, 0]
+            else:
+                visible = causal_band(x.shape[1], x.shape[1], None, x.device)[None]
+            scores = self.indexer(x, q_latent, keys, cos, sin)
+            chosen = select_top_k(scores, visible.expand_as(scores), self.index_topk)
+        if cache is not None:
+            out = cache.attend(q, k, v, scale=self.softmax_scale, chosen=chosen)
+        else:
+            out = attention(q, k, v, mask=chosen[:, None], scale=self.softmax_scale)
+        return self.wo(out.flatten(2))

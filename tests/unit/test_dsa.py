@@ -1,0 +1,279 @@
+"""DeepSeek Sparse Attention: the layer on its own, and the `deepseek_v32` (DeepSeek V3.2) and
+`glm_moe_dsa` (GLM-5) families against transformers' classes through HF folders on disk.
+
+The tiny configs keep 6 keys per query (``index_topk``) of sequences of 24, so the indexer's
+choice decides the outputs (``test_selection_decides_the_outputs`` shows that it does)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from hf_parity import check_forward_and_grads, check_round_trip, max_rel_err, randomize_norms
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV32Config,
+    GlmMoeDsaConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
+
+from temper.config import ConfigError, Parallelism
+from temper.generation import decoding, generate
+from temper.kernels.attention import DocumentMask
+from temper.models import get_model_spec, load_hf
+from temper.models.deepseek_v32 import DeepseekV32Transformer
+from temper.models.glm_moe_dsa import GlmMoeDsaTransformer
+from temper.models.hf import read_hf_args
+from temper.models.layers.mla import MLA
+from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
+from temper.models.layers.sparse_attention import SparseMLA, select_top_k
+
+_BASE = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 80,
+    "moe_intermediate_size": 24,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 20,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 12,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 10,
+    "n_routed_experts": 8,
+    "n_group": 2,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "index_n_heads": 4,
+    "index_head_dim": 16,  # 8 rotary dims, 8 without
+    "index_topk": 6,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 0.9,
+    "mscale_all_dim": 0.7,
+}
+CASES: dict[str, tuple[PreTrainedConfig, type]] = {
+    "deepseek_v32": (DeepseekV32Config(**_BASE), DeepseekV32Transformer),
+    # YaRN: its attention factor scales the indexer's rotary too.
+    "deepseek_v32_yarn": (
+        DeepseekV32Config(**_BASE, max_position_embeddings=64, rope_parameters=YARN),
+        DeepseekV32Transformer,
+    ),
+    "glm_moe_dsa": (
+        GlmMoeDsaConfig(**_BASE, routed_scaling_factor=1.5, norm_topk_prob=False),
+        GlmMoeDsaTransformer,
+    ),
+}
+
+
+def tiny_hf(config: PreTrainedConfig, folder: Path) -> PreTrainedModel:
+    """A seeded random HF model (random norms, the indexer's LayerNorm bias included; a
+    decisive router and a random expert bias, as DeepSeek V3's test does), saved."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    randomize_norms(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+# The layer on its own.
+
+
+def _sparse_mla(topk: int) -> SparseMLA:
+    torch.manual_seed(0)
+    layer = SparseMLA(
+        32, 2, 12, 8, 6, 4, 5, index_n_heads=3, index_head_dim=8, index_topk=topk,
+        index_rope_interleaved=False, softmax_scale=0.3,
+    )  # fmt: skip
+    layer.init_weights(0.2, 0.2)
+    return layer
+
+
+def _rope(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_cos_sin(rope_inv_freq(4, 10000.0, None), position_ids)
+
+
+def test_selection_keeps_top_k_visible_keys_only() -> None:
+    """Each query keeps min(topk, visible) keys, the best-scored, never a hidden one."""
+    scores = torch.randn(2, 10, 10, generator=torch.Generator().manual_seed(0))
+    docs = DocumentMask.from_position_ids(torch.tensor([list(range(6)) + list(range(4))] * 2))
+    visible = docs.dense()[:, 0]
+    chosen = select_top_k(scores, visible, 3)
+    assert not (chosen & ~visible).any()
+    assert chosen.sum(-1).tolist() == [[1, 2, 3, 3, 3, 3, 1, 2, 3, 3]] * 2
+    worst_kept = scores.masked_fill(~chosen, float("inf")).amin(-1)
+    best_dropped = scores.masked_fill(chosen | ~visible, float("-inf")).amax(-1)
+    assert (worst_kept > best_dropped).all()
+
+
+def test_sparse_mla_with_every_key_kept_is_mla() -> None:
+    """topk >= the sequence: the masked reference is MLA's dense causal attention (the same
+    projections), with and without packed documents."""
+    layer = _sparse_mla(topk=16)
+    dense = MLA(32, 2, 12, 8, 6, 4, 5, softmax_scale=0.3, rope_interleaved=True)
+    dense.load_state_dict(layer.state_dict(), strict=False)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor([list(range(9)) + list(range(7))] * 2)
+    cos, sin = _rope(positions)
+    docs = DocumentMask.from_position_ids(positions)
+    for d in (None, docs):
+        torch.testing.assert_close(layer(x, cos, sin, d), dense(x, cos, sin, d), rtol=0, atol=1e-6)
+    sparse = _sparse_mla(topk=4)
+    assert max_rel_err(sparse(x, cos, sin), dense(x, cos, sin)) > 1e-2
+
+
+def test_packed_documents_attend_as_alone() -> None:
+    """Two documents in one row give each document's own outputs (selection within it)."""
+    layer = _sparse_mla(topk=4)
+    x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([list(range(9)) + list(range(7))])
+    cos, sin = _rope(positions)
+    packed = layer(x, cos, sin, DocumentMask.from_position_ids(positions))
+    first = layer(x[:, :9], cos[:, :9], sin[:, :9])
+    second = layer(x[:, 9:], cos[:, 9:], sin[:, 9:])
+    torch.testing.assert_close(packed, torch.cat([first, second], 1), rtol=0, atol=1e-6)
+
+
+# The families against transformers.
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_transformers(case: str, tmp_path: Path) -> None:
+    """Logits, loss and every gradient (none for the indexer, on both sides) at fp32."""
+    config, model_cls = CASES[case]
+    hf = tiny_hf(config, tmp_path)
+    native = load_hf(tmp_path)
+    assert type(native) is model_cls
+    errors = check_forward_and_grads(hf, native, seq_len=24, grad_rtol=1e-5)
+    assert errors["logits"] <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa"])
+def test_selection_decides_the_outputs(case: str, tmp_path: Path) -> None:
+    """Keeping every key, or the other family's indexer rotary, moves the logits well past
+    the tolerance: the parity above checks the selection itself."""
+    config, model_cls = CASES[case]
+    hf = tiny_hf(config, tmp_path)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        dense = load_hf(tmp_path, overrides={"index_topk": 24})
+        assert max_rel_err(dense(ids), expected) > 1e-3
+        other_cls = (
+            GlmMoeDsaTransformer
+            if model_cls is DeepseekV32Transformer
+            else (DeepseekV32Transformer)
+        )
+        native = load_hf(tmp_path)
+        other = other_cls(native.args)
+        other.load_state_dict(native.state_dict())
+        assert max_rel_err(other(ids), expected) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa"])
+def test_packed_row_equals_each_document_alone(case: str, tmp_path: Path) -> None:
+    """Documents of 14 and 10 tokens (both longer than index_topk) in one row: the native
+    model gives each transformers' logits for that document alone."""
+    hf = tiny_hf(CASES[case][0], tmp_path)
+    native = load_hf(tmp_path)
+    ids = torch.randint(1, 96, (1, 24), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([list(range(14)) + list(range(10))])
+    with torch.no_grad():
+        packed = native(ids, positions, DocumentMask.from_position_ids(positions))
+        alone = torch.cat([hf(ids[:, :14]).logits, hf(ids[:, 14:]).logits], 1)
+    assert max_rel_err(packed, alone) <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa"])
+def test_greedy_generation_equals_transformers(case: str, tmp_path: Path) -> None:
+    """Left-padded prompts decoded with Temper's KV cache (the indexer's keys cached too) past
+    index_topk tokens: transformers' greedy generate's tokens."""
+    hf = tiny_hf(CASES[case][0], tmp_path)
+    native = load_hf(tmp_path)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [40, 41, 42, 43, 44]]
+    width, new = max(map(len, prompts)), 12
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        theirs = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    ours = generate(native, prompts, new, pad_id=0)
+    assert ours.tokens.tolist() == theirs[:, width:].tolist()
+
+
+def test_static_cache_decodes_as_the_growing_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compile=True``'s static cache (its step run eagerly here: the cache's indexing is
+    what is checked, not the compiler) keeps the indexer's keys alike."""
+    tiny_hf(CASES["deepseek_v32"][0], tmp_path)
+    native = load_hf(tmp_path)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16]]
+    growing = generate(native, prompts, 12, pad_id=0).tokens
+    monkeypatch.setattr(decoding, "compiled_decode_step", lambda: decoding.decode_step)
+    static = generate(native, prompts, 12, pad_id=0, compile=True).tokens
+    assert static.tolist() == growing.tolist()
+
+
+@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa"])
+def test_round_trip_is_bit_identical(case: str, tmp_path: Path) -> None:
+    hf = tiny_hf(CASES[case][0], tmp_path / "hf")
+    check_round_trip(tmp_path / "hf", tmp_path / "out", hf)
+    assert read_hf_args(tmp_path / "out") == read_hf_args(tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").config
+    assert type(reloaded) is type(hf.config)
+    for field in ("index_n_heads", "index_head_dim", "index_topk", "q_lora_rank"):
+        assert getattr(reloaded, field) == getattr(hf.config, field), field
+
+
+def test_shared_indexer_layers_are_refused(tmp_path: Path) -> None:
+    """GLM-5's cross-layer top-k sharing is not built: such a folder is refused by name."""
+    config = GlmMoeDsaConfig(**_BASE, indexer_types=["full", "shared", "full"])
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="indexer_types: layers \\[1\\]"):
+        read_hf_args(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_layout_refuses_sequence_parallel(family: str) -> None:
+    spec = get_model_spec(family)
+    args = spec.flavors["debug"]
+    spec.check_layout(args, Parallelism(ep=2))
+    with pytest.raises(ConfigError, match="parallelism.sp = 2"):
+        spec.check_layout(args, Parallelism(sp=2))
+
+
+def test_flops_count_the_sparse_work() -> None:
+    """Past index_topk the attention term stops growing; the indexer's grows with the
+    sequence: the step between two lengths is the indexer's alone."""
+    args = get_model_spec("deepseek_v32").flavors["debug"]
+    with torch.device("meta"):
+        model = DeepseekV32Transformer(dataclasses.replace(args, index_topk=64))
+    step = model.flops_per_token(256) - model.flops_per_token(128)
+    assert step == 2.0 * args.n_layers * args.index_n_heads * args.index_head_dim * 128
