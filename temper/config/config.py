@@ -53,14 +53,26 @@ class Model:
     None = the flavor's or hf_path config's (0 / num_nextn_predict_layers)."""
     mtp_loss_weight: float | None = None
     """Weight of the MTP loss, shared by the depths; None = the model's (0.3)."""
+    indexer_training: Literal["off", "sparse", "dense_warmup"] | None = None
+    """How DeepSeek sparse attention's indexer trains (deepseek_v32, glm_moe_dsa): off (it
+    does not; fine-tuning a released model), sparse (attention over each query's top-k, the
+    indexer learning the main attention over them by a KL term), dense_warmup (dense
+    attention, only the indexers train); None = the model's (off)."""
+    indexer_loss_weight: float | None = None
+    """Weight of the indexer's KL term per token; None = the model's (1.0)."""
     freeze: list[Literal["vision", "merger", "language"]] = field(default_factory=list)
     """Parts that keep their weights (vision-language models): vision (the tower's patch and
     position embeddings and blocks), merger (its patch merger), language (the language
     model). Recorded in temper.json; a resume must freeze the same."""
 
-    def arg_overrides(self) -> dict[str, int | float]:
+    def arg_overrides(self) -> dict[str, int | float | str]:
         """The fields above that replace the model's own arguments, where set."""
-        fields = {"mtp_depth": self.mtp_depth, "mtp_loss_weight": self.mtp_loss_weight}
+        fields = {
+            "mtp_depth": self.mtp_depth,
+            "mtp_loss_weight": self.mtp_loss_weight,
+            "indexer_training": self.indexer_training,
+            "indexer_loss_weight": self.indexer_loss_weight,
+        }
         return {name: value for name, value in fields.items() if value is not None}
 
 

@@ -47,6 +47,22 @@ class MultiTokenPredictor(Protocol):
     ) -> MTPLoss | None: ...
 
 
+class IndexerArgs(Protocol):
+    indexer_loss_weight: float
+    """Weight of the indexer's KL term per valid token."""
+
+
+@runtime_checkable
+class IndexerTrainer(Protocol):
+    """A model with DeepSeek sparse attention (DeepSeek V3.2, GLM-5): after a training
+    forward, ``indexer_loss`` gives its indexers' KL term per token (unweighted; None when
+    the indexers do not train)."""
+
+    args: IndexerArgs
+
+    def indexer_loss(self) -> torch.Tensor | None: ...
+
+
 @runtime_checkable
 class VisionModel(Protocol):
     """A model that reads images (Qwen3.5's vision-language families): ``embed`` puts the

@@ -31,7 +31,7 @@ from temper.kernels.cross_entropy import (
     logits_entropy,
 )
 from temper.kernels.dispatch import kernel_settings
-from temper.models.protocols import MultiTokenPredictor, RoutedModel
+from temper.models.protocols import IndexerTrainer, MultiTokenPredictor, RoutedModel
 from temper.objectives.registry import Metrics, Objective, register_objective
 
 
@@ -66,7 +66,9 @@ class CausalLM:
     ``z_loss_weight`` adds ``weight * logsumexp(logits)^2`` per valid token (PaLM's z-loss),
     which keeps the softmax normalizer near 1 and the logits from drifting in bf16. A model
     with multi-token-prediction depths (``mtp_loss``) adds their weighted cross-entropy sum
-    and logs ``mtp_loss`` and ``mtp_accuracy`` (the drafts' next-token accuracy).
+    and logs ``mtp_loss`` and ``mtp_accuracy`` (the drafts' next-token accuracy). A model
+    whose sparse-attention indexers train (``IndexerTrainer``) adds ``indexer_loss_weight *
+    kl`` per valid token and logs ``indexer_kl``.
     """
 
     def __init__(self, z_loss_weight: float = 0.0) -> None:
@@ -103,6 +105,12 @@ class CausalLM:
             loss_sum = loss_sum + model.args.router_aux_loss_coef * aux * n_tokens
             metrics["aux_loss"] = aux.detach()
             metrics["moe_load_imbalance"] = model.load_imbalance().detach()
+        # DeepSeek sparse attention: the indexers' KL term, when they train.
+        if isinstance(model, IndexerTrainer):
+            kl = model.indexer_loss()
+            if kl is not None:
+                loss_sum = loss_sum + model.args.indexer_loss_weight * kl * n_tokens
+                metrics["indexer_kl"] = kl.detach()
         # Multi-token prediction (DeepSeek V3): its weighted draft losses join the sum.
         if isinstance(model, MultiTokenPredictor):
             mtp = model.mtp_loss(labels, batch.get("position_ids"))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hf_parity import check_forward_and_grads, check_round_trip, max_rel_err, randomize_norms
 from transformers import (
     AutoModelForCausalLM,
@@ -22,14 +23,15 @@ from transformers import (
 
 from temper.config import ConfigError, Parallelism
 from temper.generation import decoding, generate
-from temper.kernels.attention import DocumentMask
+from temper.kernels.attention import DocumentMask, causal_band
 from temper.models import get_model_spec, load_hf
 from temper.models.deepseek_v32 import DeepseekV32Transformer
 from temper.models.glm_moe_dsa import GlmMoeDsaTransformer
 from temper.models.hf import read_hf_args
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
-from temper.models.layers.sparse_attention import SparseMLA, select_top_k
+from temper.models.layers.sparse_attention import SparseMLA, indexer_kl, select_top_k
+from temper.objectives.causal_lm import CausalLM
 
 _BASE = {
     "vocab_size": 96,
@@ -277,3 +279,80 @@ def test_flops_count_the_sparse_work() -> None:
         model = DeepseekV32Transformer(dataclasses.replace(args, index_topk=64))
     step = model.flops_per_token(256) - model.flops_per_token(128)
     assert step == 2.0 * args.n_layers * args.index_n_heads * args.index_head_dim * 128
+
+
+# Training the indexer.
+
+
+def test_indexer_kl_is_the_divergence_over_the_allowed_keys() -> None:
+    """Against ``F.kl_div`` one query at a time: the heads' attention over the query's allowed
+    keys, summed and normalized, is the target of the indexer's log-softmax there."""
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 7, 3, 5, generator=g), torch.randn(2, 7, 3, 5, generator=g)
+    scores = torch.randn(2, 7, 7, generator=g)
+    visible = causal_band(7, 7, None, "cpu")[None].expand(2, 7, 7)
+    allowed = select_top_k(torch.randn(2, 7, 7, generator=g), visible, 3)
+    by_hand = []
+    for b in range(2):
+        for t in range(7):
+            keep = allowed[b, t]
+            attention = (torch.einsum("hd,khd->hk", q[b, t], k[b, keep]) * 0.4).softmax(-1)
+            target = attention.sum(0) / attention.sum()
+            log_q = scores[b, t, keep].log_softmax(-1)
+            by_hand.append(F.kl_div(log_q, target, reduction="sum"))
+    got = indexer_kl(q, k, scores, allowed, 0.4)
+    torch.testing.assert_close(got, torch.stack(by_hand).mean(), rtol=1e-6, atol=1e-7)
+
+
+def _lm_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(5))
+    labels = ids.roll(-1, dims=1)
+    labels[:, -1] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def test_sparse_mode_trains_the_indexer_by_its_kl_only(tmp_path: Path) -> None:
+    """``sparse``: the same logits and main-weight gradients as ``off`` (the KL reaches no
+    other weight), the indexers' gradients from the KL term, which the objective adds with
+    its weight and logs."""
+    tiny_hf(CASES["deepseek_v32"][0], tmp_path)
+    batch = _lm_batch()
+    off = load_hf(tmp_path).train()
+    loss_off, n_tokens, metrics = CausalLM().loss(off, batch)
+    assert "indexer_kl" not in metrics and off.indexer_loss() is None
+    loss_off.backward()
+    sparse = load_hf(tmp_path, overrides={"indexer_training": "sparse"}).train()
+    loss_sparse, _, metrics = CausalLM().loss(sparse, batch)
+    kl = sparse.indexer_loss()
+    assert kl is not None and kl.item() > 0 and metrics["indexer_kl"] == kl.item()
+    torch.testing.assert_close(loss_sparse, loss_off + kl * n_tokens, rtol=1e-6, atol=0)
+    loss_sparse.backward()
+    theirs = dict(off.named_parameters())
+    for name, param in sparse.named_parameters():
+        if ".indexer." in name:
+            assert theirs[name].grad is None and param.grad.abs().sum() > 0, name
+        else:
+            assert torch.equal(param.grad, theirs[name].grad), name
+
+
+def test_dense_warmup_attends_densely_and_trains_only_the_indexers(tmp_path: Path) -> None:
+    """``dense_warmup``: the logits of the model keeping every key; only the indexers
+    require gradients, and a few steps on the objective lower their KL."""
+    tiny_hf(CASES["glm_moe_dsa"][0], tmp_path)
+    batch = _lm_batch()
+    model = load_hf(tmp_path, overrides={"indexer_training": "dense_warmup"})
+    dense = load_hf(tmp_path, overrides={"index_topk": 24}).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch["input_ids"]), dense(batch["input_ids"]))
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".indexer." in name for name in trained)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    kls = []
+    for _ in range(8):
+        loss, n_tokens, metrics = CausalLM().loss(model, batch)
+        (loss / n_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        kls.append(metrics["indexer_kl"].item())
+    assert kls[-1] < 0.8 * kls[0], kls

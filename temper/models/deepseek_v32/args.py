@@ -9,6 +9,7 @@ from temper.config import ConfigError, Parallelism
 from temper.models.deepseek_v3.args import FLAVORS as V3_FLAVORS
 from temper.models.deepseek_v3.args import DeepseekV3Args
 from temper.models.fit import check_decoder_layout
+from temper.models.layers.sparse_attention import INDEXER_TRAINING, IndexerTraining
 
 
 @dataclass(kw_only=True)
@@ -20,6 +21,14 @@ class DeepseekV32Args(DeepseekV3Args):
     index_n_heads: int
     index_head_dim: int
     index_topk: int
+    indexer_training: IndexerTraining = "off"
+    """How the indexer trains: ``off`` (it does not: transformers' behaviour, the usual choice
+    for fine-tuning a released model), ``sparse`` (attention over the selected keys, the
+    indexer learning the main attention's distribution over them by a KL term) or
+    ``dense_warmup`` (attention over every visible key, the indexer learning it; every other
+    weight frozen). A training setting, not in HF configs."""
+    indexer_loss_weight: float = 1.0
+    """Weight of the indexer's KL term per token (its mean over layers and query positions)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -29,6 +38,12 @@ class DeepseekV32Args(DeepseekV3Args):
             raise ValueError("rope_interleave must be True: DSA models rotate interleaved pairs")
         if self.mtp_depth:
             raise ValueError(f"mtp_depth {self.mtp_depth}: DSA families have no MTP depths yet")
+        if self.indexer_training not in INDEXER_TRAINING:
+            raise ValueError(
+                f"indexer_training {self.indexer_training!r} is not one of {INDEXER_TRAINING}"
+            )
+        if self.indexer_loss_weight < 0:
+            raise ValueError(f"indexer_loss_weight {self.indexer_loss_weight} must be >= 0")
         for name in ("index_n_heads", "index_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")

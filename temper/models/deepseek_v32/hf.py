@@ -34,7 +34,8 @@ CONFIG = dataclasses.replace(
         "index_head_dim": 128,
         "index_topk": 2048,
     },
-    native_only=v3.CONFIG.native_only | {"rope_interleave", "mtp_depth"},
+    native_only=v3.CONFIG.native_only
+    | {"rope_interleave", "mtp_depth", "indexer_training", "indexer_loss_weight"},
 )
 
 INDEXER_KEYS = {

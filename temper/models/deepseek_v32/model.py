@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import torch
+
 from temper.models.deepseek_v3.model import DeepseekV3Transformer
 from temper.models.deepseek_v32.args import DeepseekV32Args
 from temper.models.layers.sparse_attention import SparseMLA
 
 
 class DeepseekV32Transformer(DeepseekV3Transformer):
-    """DeepSeek V3 (MoE, router, decoder) with ``SparseMLA`` in every layer."""
+    """DeepSeek V3 (MoE, router, decoder) with ``SparseMLA`` in every layer. With
+    ``indexer_training`` ``dense_warmup`` only the indexers' weights train."""
 
     args: DeepseekV32Args
     index_rope_interleaved: bool = False
     """The indexer rotates in the rotate-half layout (DeepSeek V3.2); GLM-5 in pairs."""
+
+    def __init__(self, args: DeepseekV32Args) -> None:
+        super().__init__(args)
+        if args.indexer_training == "dense_warmup":
+            for name, param in self.named_parameters():
+                param.requires_grad_(".indexer." in name)
+
+    def indexer_loss(self) -> torch.Tensor | None:
+        """The indexers' KL term of the latest forward, averaged over layers, before
+        ``indexer_loss_weight``; None when it computed none (``indexer_training`` off, an
+        eval-mode or no-grad forward, decoding)."""
+        terms = [layer.attention.indexer_kl for layer in self.layers]
+        kls = [t for t in terms if t is not None]
+        return torch.stack(kls).mean() if len(kls) == len(terms) else None
 
     def attention(self, layer_id: int) -> SparseMLA:
         args = self.args
@@ -32,6 +49,7 @@ class DeepseekV32Transformer(DeepseekV3Transformer):
             softmax_scale=args.softmax_scale,
             rope_scale=args.rope_scale,
             rope_interleaved=args.rope_interleave,
+            indexer_training=args.indexer_training,
         )
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -16,9 +16,19 @@ indexer runs under ``no_grad``).
 This is the plain-PyTorch reference: the selection becomes a boolean mask over dense scores,
 so its cost is that of dense attention. Keys a query may not see (future ones, other packed
 documents, left padding) are never selected; when fewer than ``topk`` are visible, all are.
+
+Training the indexer (``IndexerTraining``, DeepSeek V3.2 report): its scores, computed from
+detached inputs, learn the main attention's distribution over the same keys (summed over
+heads, L1-normalized, detached) through a KL divergence, so the language-model loss trains the
+rest of the model and the KL only the indexer. ``off``: the indexer does not train (as in
+transformers, the usual choice for fine-tuning a released model); ``sparse``: attention over
+the selected keys, KL over them; ``dense_warmup``: attention over every visible key, KL over
+them all (the warm-up, with the rest of the model frozen by the family).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +39,9 @@ from temper.models.layers.init import init_linear
 from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import apply_rope
+
+IndexerTraining = Literal["off", "sparse", "dense_warmup"]
+INDEXER_TRAINING: tuple[IndexerTraining, ...] = ("off", "sparse", "dense_warmup")
 
 INDEXER_NORM_EPS = 1e-6
 """The eps of the indexer's key LayerNorm in DeepSeek's and transformers' code."""
@@ -99,12 +112,32 @@ def select_top_k(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torc
     return torch.zeros_like(visible).scatter(-1, best, True) & visible
 
 
+def indexer_kl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scores: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Mean over the queries of KL(p || softmax(scores)) over each query's ``allowed`` keys
+    [b, s, t]: p is the attention distribution of q [b, s, h, d] over k [b, t, h, d] (fp32,
+    no gradient) summed over heads and L1-normalized, ``scores`` [b, s, t] the indexer's."""
+    with torch.no_grad():
+        logits = torch.einsum("bshd,bthd->bhst", q.float(), k.float()) * scale
+        probs = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)
+        target = probs / probs.sum(-1, keepdim=True)
+    log_q = scores.masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    log_q = log_q.masked_fill(~allowed, 0.0)
+    return (torch.xlogy(target, target) - target * log_q).sum(-1).mean()
+
+
 class SparseMLA(MLA):
     """MLA whose queries attend only to the keys their ``indexer`` selects (DSA).
 
     The MLA projections and rotary are the parent's; the indexer reads its query latent, so
     ``q_lora_rank`` is required. ``backend`` is ignored: the reference attention takes the
-    selection as an explicit mask, which only sdpa does.
+    selection as an explicit mask, which only sdpa does. With ``indexer_training`` other than
+    ``off``, a training-mode forward leaves its ``indexer_kl`` (module docstring).
     """
 
     def __init__(
@@ -124,6 +157,7 @@ class SparseMLA(MLA):
         softmax_scale: float,
         rope_scale: float = 1.0,
         rope_interleaved: bool = True,
+        indexer_training: IndexerTraining = "off",
     ) -> None:
         super().__init__(
             dim,
@@ -137,7 +171,14 @@ class SparseMLA(MLA):
             rope_scale=rope_scale,
             rope_interleaved=rope_interleaved,
         )
+        if indexer_training not in INDEXER_TRAINING:
+            raise ValueError(
+                f"indexer_training {indexer_training!r} is not one of {INDEXER_TRAINING}"
+            )
         self.index_topk = index_topk
+        self.indexer_training = indexer_training
+        self.indexer_kl: torch.Tensor | None = None
+        """The latest training forward's KL term (None when the indexer does not train)."""
         self.indexer = LightningIndexer(
             dim,
             q_lora_rank,
@@ -160,21 +201,36 @@ class SparseMLA(MLA):
         backend: Backend = "auto",
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        """As ``MLA.forward``, each query restricted to its selected keys."""
+        """As ``MLA.forward``, each query restricted to its selected keys (to every visible
+        key in ``dense_warmup``)."""
         q, k, v, q_latent = self.project(x, cos, sin)
         assert q_latent is not None  # q_lora_rank is required in __init__'s signature
         cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        with torch.no_grad():
-            keys = self.indexer.keys(x, cos, sin)
+        if cache is not None:
+            visible = cache.visible()
+        elif docs is not None:
+            visible = docs.dense()[:, 0]
+        else:
+            visible = causal_band(x.shape[1], x.shape[1], None, x.device)[None]
+        trains = (
+            self.indexer_training != "off"
+            and self.training
+            and cache is None
+            and torch.is_grad_enabled()
+        )
+        # The indexer reads detached inputs: no loss reaches the rest of the model through it.
+        with torch.enable_grad() if trains else torch.no_grad():
+            x_in, latent = x.detach(), q_latent.detach()
+            keys = self.indexer.keys(x_in, cos, sin)
             if cache is not None:
                 keys = cache.index_keys(keys)
-                visible = cache.visible()
-            elif docs is not None:
-                visible = docs.dense()[:, 0]
-            else:
-                visible = causal_band(x.shape[1], x.shape[1], None, x.device)[None]
-            scores = self.indexer(x, q_latent, keys, cos, sin)
-            chosen = select_top_k(scores, visible.expand_as(scores), self.index_topk)
+            scores = self.indexer(x_in, latent, keys, cos, sin)
+        visible = visible.expand_as(scores)
+        if self.indexer_training == "dense_warmup":
+            chosen = visible
+        else:
+            chosen = select_top_k(scores.detach(), visible, self.index_topk)
+        self.indexer_kl = indexer_kl(q, k, scores, chosen, self.softmax_scale) if trains else None
         if cache is not None:
             out = cache.attend(q, k, v, scale=self.softmax_scale, chosen=chosen)
         else:
