@@ -7,6 +7,7 @@ choice decides the outputs (``test_selection_decides_the_outputs`` shows that it
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,11 @@ CASES: dict[str, tuple[PreTrainedConfig, type]] = {
     ),
     "glm_moe_dsa": (
         GlmMoeDsaConfig(**_BASE, routed_scaling_factor=1.5, norm_topk_prob=False),
+        GlmMoeDsaTransformer,
+    ),
+    # Layer 1 attends to layer 0's choice; layer 2 runs its own indexer again.
+    "glm_moe_dsa_shared": (
+        GlmMoeDsaConfig(**_BASE, indexer_types=["full", "shared", "full"]),
         GlmMoeDsaTransformer,
     ),
 }
@@ -192,7 +198,7 @@ def test_selection_decides_the_outputs(case: str, tmp_path: Path) -> None:
         assert max_rel_err(other(ids), expected) > 1e-3
 
 
-@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa_shared"])
 def test_packed_row_equals_each_document_alone(case: str, tmp_path: Path) -> None:
     """Documents of 14 and 10 tokens (both longer than index_topk) in one row: the native
     model gives each transformers' logits for that document alone."""
@@ -206,7 +212,7 @@ def test_packed_row_equals_each_document_alone(case: str, tmp_path: Path) -> Non
     assert max_rel_err(packed, alone) <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa", "glm_moe_dsa_shared"])
 def test_greedy_generation_equals_transformers(case: str, tmp_path: Path) -> None:
     """Left-padded prompts decoded with Temper's KV cache (the indexer's keys cached too) past
     index_topk tokens: transformers' greedy generate's tokens."""
@@ -243,7 +249,7 @@ def test_static_cache_decodes_as_the_growing_one(
     assert static.tolist() == growing.tolist()
 
 
-@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa", "glm_moe_dsa_shared"])
 def test_round_trip_is_bit_identical(case: str, tmp_path: Path) -> None:
     hf = tiny_hf(CASES[case][0], tmp_path / "hf")
     check_round_trip(tmp_path / "hf", tmp_path / "out", hf)
@@ -254,12 +260,23 @@ def test_round_trip_is_bit_identical(case: str, tmp_path: Path) -> None:
         assert getattr(reloaded, field) == getattr(hf.config, field), field
 
 
-def test_shared_indexer_layers_are_refused(tmp_path: Path) -> None:
-    """GLM-5's cross-layer top-k sharing is not built: such a folder is refused by name."""
-    config = GlmMoeDsaConfig(**_BASE, indexer_types=["full", "shared", "full"])
-    config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="indexer_types: layers \\[1\\]"):
-        read_hf_args(tmp_path)
+def test_shared_layers_hold_no_indexer_and_patterns_read_alike(tmp_path: Path) -> None:
+    """GLM's cross-layer sharing: a shared layer has no indexer tensors, natively or in the
+    folder, and the pattern and frequency spellings give the same args."""
+    hf = tiny_hf(CASES["glm_moe_dsa_shared"][0], tmp_path)
+    native = load_hf(tmp_path)
+    assert native.args.indexer_types == ("full", "shared", "full")
+    assert native.layers[1].attention.indexer is None
+    assert not any(".layers.1.self_attn.indexer" in n for n, _ in hf.named_parameters())
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["indexer_types"]
+    adapter = get_model_spec("glm_moe_dsa").hf_adapter
+    assert adapter is not None
+    spellings = [{"index_topk_pattern": "FSF"}, {"index_topk_freq": 2, "index_skip_topk_offset": 1}]
+    for spelling in spellings:
+        assert GlmMoeDsaConfig(**_BASE, **spelling).indexer_types == ["full", "shared", "full"]
+        assert adapter.args_from_hf(saved | spelling) == native.args, spelling
+    assert adapter.args_from_hf(saved).indexer_types == ()  # no spelling: every layer full
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])

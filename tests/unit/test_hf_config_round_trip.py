@@ -164,7 +164,11 @@ CONFIGS: dict[str, PretrainedConfig] = {
         norm_topk_prob=False,
         rope_parameters=YARN,
     ),
-    "glm_moe_dsa": GlmMoeDsaConfig(**(SHAPE | {"num_key_value_heads": 4}), **DSA),
+    "glm_moe_dsa": GlmMoeDsaConfig(
+        **(SHAPE | {"num_key_value_heads": 4}),
+        **DSA,
+        indexer_types=["full", "shared", "full", "shared"],
+    ),
     "qwen3_next": Qwen3NextConfig(
         **SHAPE,
         **HYBRID,

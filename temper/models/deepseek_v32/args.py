@@ -53,6 +53,10 @@ class DeepseekV32Args(DeepseekV3Args):
                 f"{self.qk_rope_head_dim}"
             )
 
+    def has_indexer(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` runs its own indexer (every one here; see GLM-5's)."""
+        return True
+
 
 def with_indexer(
     args: DeepseekV3Args, index_n_heads: int, index_head_dim: int, index_topk: int

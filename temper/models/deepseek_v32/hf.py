@@ -85,8 +85,13 @@ def args_to_hf(args: DeepseekV32Args) -> dict[str, Any]:
 
 
 def key_rules(args: DeepseekV32Args) -> list[KeyRule]:
-    """DeepSeek V3's rules, then each layer's indexer."""
-    indexers = [rule for i in range(args.n_layers) for rule in block_rules(i, INDEXER_KEYS)]
+    """DeepSeek V3's rules, then the indexer of each layer that has one."""
+    indexers = [
+        rule
+        for i in range(args.n_layers)
+        if args.has_indexer(i)
+        for rule in block_rules(i, INDEXER_KEYS)
+    ]
     return v3.key_rules(args) + indexers
 
 

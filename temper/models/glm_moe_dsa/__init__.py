@@ -1,8 +1,9 @@
 """GLM-5 family (`glm_moe_dsa`): DeepSeek V3.2's architecture (MLA, MoE, DeepSeek Sparse
-Attention) with its own sizes and the indexer's rotary in interleaved pairs."""
+Attention) with its own sizes, the indexer's rotary in interleaved pairs, and layers that may
+reuse the previous indexed layer's top-k."""
 
 from temper.models.deepseek_v32.args import check_dsa_layout
-from temper.models.glm_moe_dsa.args import FLAVORS
+from temper.models.glm_moe_dsa.args import FLAVORS, GlmMoeDsaArgs
 from temper.models.glm_moe_dsa.hf import ADAPTER
 from temper.models.glm_moe_dsa.model import GlmMoeDsaTransformer
 from temper.models.registry import ModelSpec, register_model
@@ -17,4 +18,4 @@ register_model(
     )
 )
 
-__all__ = ["FLAVORS", "GlmMoeDsaTransformer"]
+__all__ = ["FLAVORS", "GlmMoeDsaArgs", "GlmMoeDsaTransformer"]

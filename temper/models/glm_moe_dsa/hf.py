@@ -1,9 +1,11 @@
 """GLM-5 <-> Hugging Face `GlmMoeDsaForCausalLM`: DeepSeek V3.2's names and table under
-another model type and defaults.
+another model type and defaults, plus ``indexer_types``.
 
-transformers' class can let a layer reuse the previous layer's top-k (``indexer_types``
-``"shared"``, from ``index_topk_pattern`` or ``index_topk_freq``); the native model runs an
-indexer in every layer (the class's default), so such configs are refused.
+transformers lets a layer reuse the previous indexed layer's top-k (``"shared"``); a config
+says which either as ``indexer_types``, or as ``index_topk_pattern`` (``F``/``S`` per layer),
+or as every ``index_topk_freq``-th layer being full from layer ``index_skip_topk_offset - 1``
+on (defaults 1 and 2: every layer full). Exports write ``indexer_types``; shared layers
+hold no indexer tensors.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import dataclasses
 from typing import Any
 
 from temper.models.deepseek_v32 import hf as v32
-from temper.models.deepseek_v32.args import DeepseekV32Args
+from temper.models.glm_moe_dsa.args import GlmMoeDsaArgs
 from temper.models.hf import HFAdapter
 
 CONFIG = dataclasses.replace(
     v32.CONFIG,
     model_type="glm_moe_dsa",
     architecture="GlmMoeDsaForCausalLM",
+    args_cls=GlmMoeDsaArgs,
     # GlmMoeDsaConfig's defaults where they differ from DeepseekV32Config's.
     defaults={
         **v32.CONFIG.defaults,
@@ -29,26 +32,37 @@ CONFIG = dataclasses.replace(
     },
 )
 
+LETTERS = {"F": "full", "S": "shared"}
 
-def check_every_layer_indexes(config: dict[str, Any]) -> None:
-    shared = [i for i, t in enumerate(config.get("indexer_types") or ()) if t != "full"]
+
+def indexer_types_of(config: dict[str, Any]) -> list[str]:
+    """Each layer's ``full``/``shared`` as transformers' config derives it (module
+    docstring)."""
+    if config.get("indexer_types") is not None:
+        return list(config["indexer_types"])
     pattern = config.get("index_topk_pattern")
-    if shared or (pattern is not None and set(pattern) != {"F"} and set(pattern) != {"full"}):
-        raise ValueError(
-            f"indexer_types: layers {shared or pattern} reuse another layer's top-k, which is "
-            "not supported (every layer 'full' is)"
-        )
-    if config.get("index_topk_freq") not in (None, 1):
-        raise ValueError(f"index_topk_freq {config['index_topk_freq']} is not supported (1 is)")
+    if pattern is not None:
+        return [LETTERS[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq = max(config.get("index_topk_freq") or 1, 1)
+    offset = config.get("index_skip_topk_offset", 2)
+    full = [max(i - offset + 1, 0) % freq == 0 for i in range(config["num_hidden_layers"])]
+    return ["full" if f else "shared" for f in full]
 
 
-def args_from_hf(config: dict[str, Any]) -> DeepseekV32Args:
-    check_every_layer_indexes(config)
-    return v32.dsa_args_from_hf(CONFIG, config)
+def args_from_hf(config: dict[str, Any]) -> GlmMoeDsaArgs:
+    args = v32.dsa_args_from_hf(CONFIG, config)
+    types = indexer_types_of(config)
+    if all(t == "full" for t in types):
+        return args
+    return dataclasses.replace(args, indexer_types=tuple(types))
 
 
-def args_to_hf(args: DeepseekV32Args) -> dict[str, Any]:
-    return CONFIG.args_to_hf(args) | {"num_key_value_heads": args.n_kv_heads}
+def args_to_hf(args: GlmMoeDsaArgs) -> dict[str, Any]:
+    types = list(args.indexer_types) or ["full"] * args.n_layers
+    return CONFIG.args_to_hf(args) | {
+        "num_key_value_heads": args.n_kv_heads,
+        "indexer_types": types,
+    }
 
 
 ADAPTER = HFAdapter(

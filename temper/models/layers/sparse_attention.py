@@ -131,6 +131,15 @@ def indexer_kl(
     return (torch.xlogy(target, target) - target * log_q).sum(-1).mean()
 
 
+class SharedSelection:
+    """The keys each query chose in the latest layer with an indexer, for the layers after it
+    that have none and reuse that choice (GLM-5's ``indexer_types`` ``"shared"``). A plain
+    object the layers hold in common, not a module: no weights, nothing saved."""
+
+    def __init__(self) -> None:
+        self.chosen: torch.Tensor | None = None
+
+
 class SparseMLA(MLA):
     """MLA whose queries attend only to the keys their ``indexer`` selects (DSA).
 
@@ -138,6 +147,9 @@ class SparseMLA(MLA):
     ``q_lora_rank`` is required. ``backend`` is ignored: the reference attention takes the
     selection as an explicit mask, which only sdpa does. With ``indexer_training`` other than
     ``off``, a training-mode forward leaves its ``indexer_kl`` (module docstring).
+
+    ``selection``: where the layer leaves its choice for the layers after it, or, with
+    ``own_indexer`` False (no indexer), where it takes the choice of the layer before.
     """
 
     def __init__(
@@ -158,6 +170,8 @@ class SparseMLA(MLA):
         rope_scale: float = 1.0,
         rope_interleaved: bool = True,
         indexer_training: IndexerTraining = "off",
+        selection: SharedSelection | None = None,
+        own_indexer: bool = True,
     ) -> None:
         super().__init__(
             dim,
@@ -179,18 +193,26 @@ class SparseMLA(MLA):
         self.indexer_training = indexer_training
         self.indexer_kl: torch.Tensor | None = None
         """The latest training forward's KL term (None when the indexer does not train)."""
-        self.indexer = LightningIndexer(
-            dim,
-            q_lora_rank,
-            index_n_heads,
-            index_head_dim,
-            qk_rope_head_dim,
-            rope_interleaved=index_rope_interleaved,
+        if not own_indexer and selection is None:
+            raise ValueError("a layer without its own indexer needs the selection it reuses")
+        self.selection = selection
+        self.indexer = (
+            LightningIndexer(
+                dim,
+                q_lora_rank,
+                index_n_heads,
+                index_head_dim,
+                qk_rope_head_dim,
+                rope_interleaved=index_rope_interleaved,
+            )
+            if own_indexer
+            else None
         )
 
     def init_weights(self, std: float, out_std: float) -> None:
         super().init_weights(std, out_std)
-        self.indexer.init_weights(std)
+        if self.indexer is not None:
+            self.indexer.init_weights(std)
 
     def forward(
         self,
@@ -205,6 +227,35 @@ class SparseMLA(MLA):
         key in ``dense_warmup``)."""
         q, k, v, q_latent = self.project(x, cos, sin)
         assert q_latent is not None  # q_lora_rank is required in __init__'s signature
+        if self.indexer is None:
+            assert self.selection is not None  # __init__ requires it
+            chosen = self.selection.chosen
+            if chosen is None or chosen.shape[1] != x.shape[1]:
+                raise RuntimeError("a shared DSA layer runs after the layer it reuses")
+            self.indexer_kl = None
+        else:
+            chosen = self._choose(x, q_latent, q, k, cos, sin, docs, cache, self.indexer)
+            if self.selection is not None:
+                self.selection.chosen = chosen
+        if cache is not None:
+            out = cache.attend(q, k, v, scale=self.softmax_scale, chosen=chosen)
+        else:
+            out = attention(q, k, v, mask=chosen[:, None], scale=self.softmax_scale)
+        return self.wo(out.flatten(2))
+
+    def _choose(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: DocumentMask | None,
+        cache: LayerCache | None,
+        indexer: LightningIndexer,
+    ) -> torch.Tensor:
+        """[b, s, t] True at the keys each query attends to; sets ``indexer_kl``."""
         cos, sin = cos * self.rope_scale, sin * self.rope_scale
         if cache is not None:
             visible = cache.visible()
@@ -221,18 +272,14 @@ class SparseMLA(MLA):
         # The indexer reads detached inputs: no loss reaches the rest of the model through it.
         with torch.enable_grad() if trains else torch.no_grad():
             x_in, latent = x.detach(), q_latent.detach()
-            keys = self.indexer.keys(x_in, cos, sin)
+            keys = indexer.keys(x_in, cos, sin)
             if cache is not None:
                 keys = cache.index_keys(keys)
-            scores = self.indexer(x_in, latent, keys, cos, sin)
+            scores = indexer(x_in, latent, keys, cos, sin)
         visible = visible.expand_as(scores)
         if self.indexer_training == "dense_warmup":
             chosen = visible
         else:
             chosen = select_top_k(scores.detach(), visible, self.index_topk)
         self.indexer_kl = indexer_kl(q, k, scores, chosen, self.softmax_scale) if trains else None
-        if cache is not None:
-            out = cache.attend(q, k, v, scale=self.softmax_scale, chosen=chosen)
-        else:
-            out = attention(q, k, v, mask=chosen[:, None], scale=self.softmax_scale)
-        return self.wo(out.flatten(2))
+        return chosen
