@@ -9,7 +9,17 @@ the default ``off`` (the indexer as released; ``--model.hf_path`` names the fold
 
 from __future__ import annotations
 
-from temper.config import Config, Job, LRScheduler, Model, Optimizer, Training
+from temper.config import (
+    ActivationCheckpoint,
+    Config,
+    Data,
+    Job,
+    LRScheduler,
+    Model,
+    Optimizer,
+    Parallelism,
+    Training,
+)
 
 
 def deepseek_v32_debug() -> Config:
@@ -30,4 +40,41 @@ def glm_moe_dsa_debug() -> Config:
     config = deepseek_v32_debug()
     config.job.dump_folder = "./outputs/glm_moe_dsa_debug"
     config.model.name = "glm_moe_dsa"
+    return config
+
+
+def deepseek_v32_671b_sft() -> Config:
+    """SFT of DeepSeek-V3.2-Exp in bf16 on 256 GPUs (`NNODES=32 NGPU=8`): experts over 64 EP
+    ranks, FSDP over all, full activation checkpointing, 4096-token packed chat rows, the
+    indexer as released (``indexer_training`` off). Point `--model.hf_path` at the HF
+    folder and `--data.path` at a chat JSONL file.
+
+    The dry run (`temper.plan`, this layout) puts each rank's peak at about 56 GiB (39 GiB of
+    weights, gradients and AdamW state); the reference attention's dense masks make 8192-token
+    rows cost 62 GiB."""
+    return Config(
+        job=Job(dump_folder="./outputs/deepseek_v32_671b_sft"),
+        model=Model(name="deepseek_v32", flavor="671b"),
+        parallelism=Parallelism(ep=64),
+        activation_checkpoint=ActivationCheckpoint(mode="full"),
+        training=Training(
+            steps=1000,
+            seq_len=4096,
+            local_batch_size=1,
+            global_batch_size=256,
+            dtype="bfloat16",
+            max_norm=1.0,
+        ),
+        optimizer=Optimizer(lr=1e-5, weight_decay=0.0),
+        lr_scheduler=LRScheduler(warmup_steps=30, decay="cosine", min_lr_ratio=0.1),
+        data=Data(format="sft"),
+    )
+
+
+def glm_moe_dsa_744b_sft() -> Config:
+    """SFT of GLM-5 with the same layout (256 GPUs, EP 64, full activation checkpointing,
+    4096 tokens); the dry run's peak is about 59 GiB per rank (43 GiB of state)."""
+    config = deepseek_v32_671b_sft()
+    config.job.dump_folder = "./outputs/glm_moe_dsa_744b_sft"
+    config.model = Model(name="glm_moe_dsa", flavor="744b")
     return config
