@@ -138,9 +138,9 @@ def _measure(recipe: str, folder: str, argv: list[str]) -> tuple[float, float, t
 
 
 def _routed(model: torch.nn.Module) -> torch.Tensor:
-    from temper.models.layers.moe import MoE
+    from temper.models.layers.moe import moe_layers
 
-    counts = [m.routing.tokens_per_expert for m in model.modules() if isinstance(m, MoE)]
+    counts = [m.routing.tokens_per_expert for m in moe_layers(model).values()]
     return torch.stack(counts) if counts else torch.zeros(0, 0)
 
 

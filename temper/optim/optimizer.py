@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from temper.config import Optimizer as OptimizerConfig
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import moe_layers
 from temper.optim.low_bit import LOW_BIT_ADAMW, build_low_bit_adamw
 from temper.optim.muon import Muon
 from temper.optim.qk_clip import QKClip
@@ -49,9 +49,7 @@ def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable matrices Muon steps: the blocks' 2-D weights and stacked experts, less
     MoE routers (a router's rows are per-expert scores, not one linear map to orthogonalize).
     Embeddings, the LM head, norms and biases sit outside this set."""
-    routers = {
-        id(p) for m in model.layers.modules() if isinstance(m, MoE) for p in m.router.parameters()
-    }
+    routers = {id(p) for m in moe_layers(model.layers).values() for p in m.router.parameters()}
     return [
         p
         for p in model.layers.parameters()

@@ -9,9 +9,8 @@ place, so parameter names, and thus checkpoints and HF loading, do not change.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -20,12 +19,10 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 import temper.kernels.grouped_gemm  # noqa: F401  (registers torch.ops.temper.grouped_mm)
 from temper.kernels.attention import ATTENTION_OPS
-from temper.models.layers.moe import keep_first_routing
 from temper.utils.compat import sac_ignores_profiler_annotations
 from temper.utils.recompute import inside_recomputed_whole
 
@@ -46,23 +43,17 @@ SAVED_OPS = {
 }
 
 
-def apply_activation_checkpointing(
-    blocks: Iterable[nn.Module], mode: CheckpointMode, compiled: bool = False
-) -> None:
+def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: CheckpointMode) -> None:
     """Checkpoint every block in `mode`; `none` leaves them untouched. The recomputation
-    leaves the MoE layers' routing statistics as the forward made them: in eager mode by
-    running in ``keep_first_routing``; for blocks that will be ``compiled`` whole, whose
-    checkpoint takes only torch's own dispatch modes as contexts, by ``apply_compile``
-    (forward side effects are not replayed in backward)."""
+    leaves the MoE layers' routing statistics as the forward wrote them (see `MoE.routing`).
+    `full` passes no context function at all: torch's default, the one Dynamo traces when a
+    block is compiled whole."""
     if mode == "none":
         return
+    context_fn: Callable[[], Any] | None = None
     if mode == "selective":
         sac_ignores_profiler_annotations()
-    context_fn: Callable[[], Any] | None
-    if compiled:  # Dynamo traces torch's own default only when it is not passed at all
-        context_fn = _selective_contexts if mode == "selective" else None
-    else:
-        context_fn = _keep_matmul_outputs if mode == "selective" else _full
+        context_fn = _selective_contexts
     for block in blocks:
         block.forward = _checkpointed(block.forward, context_fn)
 
@@ -87,22 +78,3 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 
 def _selective_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_save_matmuls)
-
-
-def _keep_matmul_outputs() -> tuple[Any, Any]:
-    return _keeping_routing(*_selective_contexts())
-
-
-def _full() -> tuple[Any, Any]:
-    return _keeping_routing(*noop_context_fn())
-
-
-def _keeping_routing(forward: Any, recompute: Any) -> tuple[Any, Any]:
-    """The contexts, the recomputation also keeping the forward's routing statistics."""
-    return forward, _recomputation(recompute)
-
-
-@contextlib.contextmanager
-def _recomputation(context: Any) -> Iterator[None]:
-    with context, keep_first_routing():
-        yield

@@ -27,7 +27,7 @@ def apply_compile(
 
     A checkpointed MoE block records its routing statistics in forward, a side effect that
     torch.compile refuses inside a checkpoint unless told not to replay it in backward,
-    which is what eager does too (`keep_first_routing`).
+    which is what eager does too (an eager recomputation finds them written, `MoE.routing`).
 
     ``around_dispatch`` (expert parallelism, whose all-to-all dispatch reads its split sizes
     on the host and cannot be traced) compiles each block's parts instead: every module but

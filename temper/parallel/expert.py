@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import MoE, moe_layers
 from temper.utils.compat import all_to_all_single_autograd, functional_all_to_all
 
 
@@ -92,7 +92,7 @@ def apply_expert_fsdp(
 
 
 def _moe_layers(model: nn.Module) -> list[MoE]:
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    layers = list(moe_layers(model).values())
     if not layers:
         raise ValueError("parallelism.ep > 1 needs a mixture-of-experts model; this has no MoE")
     return layers

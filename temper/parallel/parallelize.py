@@ -35,11 +35,7 @@ def parallelize_decoder(
     expert_mesh = meshes.expert if meshes is not None else None
     if expert_mesh is not None:
         apply_expert_parallel(model, expert_mesh)
-    # Under EP, compile leaves each block's own code eager, and with it the checkpoint.
-    whole_blocks_compiled = config.compile.enable and expert_mesh is None
-    apply_activation_checkpointing(
-        blocks, config.activation_checkpoint.mode, compiled=whole_blocks_compiled
-    )
+    apply_activation_checkpointing(blocks, config.activation_checkpoint.mode)
     if config.compile.enable:
         apply_compile(blocks, around_dispatch=expert_mesh is not None)
     if meshes is not None:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import moe_layers
 from temper.parallel.collectives import all_reduce_sum
 
 
@@ -24,9 +24,9 @@ class MoELoad:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
-        self.names = [name for name, _ in named]
-        self.layers = [m for _, m in named]
+        named = moe_layers(model)
+        self.names = list(named)
+        self.layers = list(named.values())
         self._counts: torch.Tensor | None = None
         self._entropy: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
@@ -35,7 +35,7 @@ class MoELoad:
         return bool(self.layers)
 
     def add(self) -> None:
-        """Fold in the routing of each layer's latest forward."""
+        """Fold in the routing of each layer in the latest forward."""
         if not self.layers:
             return
         stats = [m.routing for m in self.layers]

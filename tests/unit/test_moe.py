@@ -15,6 +15,7 @@ from temper.models.layers.moe import (
     MoE,
     RoutingStats,
     TopKRouter,
+    clear_routing,
     load_balancing_loss,
     load_imbalance,
     permute,
@@ -148,6 +149,7 @@ def test_expert_bias_moves_a_skewed_router_toward_balance() -> None:
     x[:, 0] = 1.0
 
     def imbalance() -> float:
+        clear_routing(moe)  # a bare layer: the test owns its forwards
         with torch.no_grad():  # not a training step: the router does not count it
             moe(x)
         return load_imbalance([moe.routing]).item()
@@ -231,6 +233,36 @@ def test_checkpoint_recomputation_keeps_the_forwards_routing(mode) -> None:
     (out.sum() + first.prob_sum.sum()).backward()
     assert block.moe.routing is first
     assert x.grad is not None and block.moe.router.gate.weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_each_decoder_forward_has_its_own_routing(mode) -> None:
+    """A MoE decoder clears its layers' statistics at each forward: after a second forward
+    on other tokens they are that forward's (a fresh copy's on those tokens alone), and its
+    backward's recomputation leaves them as they were."""
+    import copy
+
+    from temper.models import build_model, materialize
+    from temper.models.layers.moe import moe_layers
+    from temper.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = materialize(build_model("qwen3_moe", "debug"), torch.device("cpu"))
+    fresh = copy.deepcopy(model)
+    apply_activation_checkpointing(model.layers, mode)
+    first, second = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
+    model(first)
+    out = model(second)
+    written = [m.routing for m in moe_layers(model).values()]
+    fresh(second)
+    want = [m.routing for m in moe_layers(fresh).values()]
+    (out.square().mean() + model.aux_loss()).backward()
+    after = [m.routing for m in moe_layers(model).values()]
+    assert all(a is w for a, w in zip(after, written, strict=True))
+    for got, ref in zip(written, want, strict=True):
+        assert torch.equal(got.tokens_per_expert, ref.tokens_per_expert)
+        torch.testing.assert_close(got.prob_sum, ref.prob_sum, rtol=0, atol=0)
+        assert got.n_tokens == ref.n_tokens == 24
 
 
 def test_selective_checkpointing_with_a_cold_grouped_gemm_probe() -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from temper.models import build_model, materialize
-from temper.models.layers.moe import MoE, run_local
+from temper.models.layers.moe import MoE, moe_layers, run_local
 from temper.parallel.activation_checkpoint import CheckpointMode, apply_activation_checkpointing
 from temper.parallel.compile import apply_compile
 
@@ -33,11 +33,11 @@ def _eager_and_compiled(
     function, as expert parallelism's all-to-all does, and its blocks compile in parts."""
     eager = materialize(model, torch.device("cpu"))
     compiled = copy.deepcopy(eager)
-    for m, whole_blocks in ((eager, False), (compiled, not around_dispatch)):
+    for m in (eager, compiled):
         m.train()
-        apply_activation_checkpointing(list(m.layers), mode, compiled=whole_blocks)
+        apply_activation_checkpointing(list(m.layers), mode)
     if around_dispatch:
-        for moe in (m for m in compiled.modules() if isinstance(m, MoE)):
+        for moe in moe_layers(compiled).values():
             moe.dispatcher = torch.compiler.disable(run_local)
     torch.compiler.reset()
     counters.clear()
@@ -49,7 +49,7 @@ def _train_once(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, l
     logits = model(tokens)
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
     (loss + model.aux_loss()).backward()
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    moes = list(moe_layers(model).values())
     return loss.detach(), moes, dict(model.named_parameters())
 
 

@@ -16,7 +16,7 @@ from PIL import Image
 from torch import nn
 
 from temper.config import Config, ConfigError, Job, Metrics, Model, Profiling, Training
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import MoE, clear_routing
 from temper.trainer import Trainer, phases
 from temper.trainer.moe_load import MoELoad, load_heatmap, write_load
 from temper.trainer.phases import PhaseTimer
@@ -179,6 +179,7 @@ class TwoMoELayers(nn.Module):
             moe.init_weights(0.5, 0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        clear_routing(self)  # the owner of the forward, as MoEDecoder is
         for moe in self.layers:
             x = moe(x)
         return x

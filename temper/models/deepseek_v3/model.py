@@ -16,6 +16,7 @@ from temper.models.layers.moe import (
     GroupLimitedRouter,
     GroupLimitedRouting,
     MoE,
+    moe_layers,
     update_expert_bias,
 )
 from temper.models.layers.moe_decoder import MoEDecoder
@@ -148,7 +149,9 @@ class DeepseekV3Transformer(MoEDecoder):
         """The aux-loss-free balancing step (a ``PostStepHook``): every MoE layer's bias moves
         by ``args.expert_bias_update_rate`` towards an even load over the tokens routed since
         the last step, counts summed over every rank (all of them route the global batch)."""
-        routers = [m for m in self.modules() if isinstance(m, GroupLimitedRouter)]
+        routers = [
+            m.router for m in moe_layers(self).values() if isinstance(m.router, GroupLimitedRouter)
+        ]
         update_expert_bias(routers, self.args.expert_bias_update_rate)
 
     def flops_per_token(self, seq_len: int) -> float:

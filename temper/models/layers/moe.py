@@ -10,8 +10,6 @@ auxiliary-loss-free balancing bias (``GroupLimitedRouter``, with optional shared
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,7 +30,7 @@ from temper.utils.compat import functional_all_reduce
 
 @dataclass
 class RoutingStats:
-    """One MoE layer's routing in the latest forward: what the load-balancing loss reads."""
+    """One MoE layer's routing in one forward: what the load-balancing loss reads."""
 
     tokens_per_expert: torch.Tensor
     """[n_experts] int64 count of top-k assignments (no gradient)."""
@@ -237,7 +235,7 @@ def run_local(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> t
 
 
 class MoE(nn.Module):
-    """Router plus grouped experts; keeps the latest forward's ``routing`` statistics.
+    """Router plus grouped experts; keeps the current forward's ``routing`` statistics.
 
     ``group_limited`` selects DeepSeek V3's router instead of the softmax top-k. With
     ``shared_hidden_dim``, a shared SwiGLU of that width sees every token and adds to the
@@ -276,6 +274,11 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.routing: RoutingStats | None = None
+        """The routing statistics of the current forward, written by the layer's first run
+        after whoever owns the forward cleared them (``MoEDecoder`` at each forward: see
+        ``clear_routing``). A run that finds them written leaves them: an activation
+        checkpoint's recomputation in backward runs the layer again on the same tokens, and
+        its statistics, unused, would hold the block's recomputed graph alive."""
         self.dispatcher: ExpertDispatcher = run_local
         self.record: list[torch.Tensor] | None = None
         """With a list, each forward appends the experts it routed to, [b, s, top_k]."""
@@ -300,7 +303,7 @@ class MoE(nn.Module):
             self.record.append(experts.view(*x.shape[:2], -1))
         rows, order, counts = permute(tokens, experts, self.n_experts)
         out = self.dispatcher(self.experts, rows, counts)
-        if _recomputing == 0:
+        if self.routing is None:
             if valid_len is None:
                 self.routing = RoutingStats(
                     counts, probs.sum(dim=0), tokens.shape[0], _entropy_sum(probs)
@@ -327,21 +330,16 @@ class MoE(nn.Module):
         return self.replay.reshape(-1, self.replay.shape[-1]).long()
 
 
-_recomputing = 0
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """Every MoE layer of ``model`` by its module name, in module order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
 
 
-@contextmanager
-def keep_first_routing() -> Iterator[None]:
-    """Inside, MoE layers keep the routing statistics of their first forward: an activation
-    checkpoint's recomputation runs in it. Replaced by the recomputation's, they would be
-    unused, and their probabilities (which carry a gradient) would hold the block's whole
-    recomputed graph alive until the next forward."""
-    global _recomputing
-    _recomputing += 1
-    try:
-        yield
-    finally:
-        _recomputing -= 1
+def clear_routing(model: nn.Module) -> None:
+    """Start a forward: each MoE layer of ``model`` records its routing afresh on its next
+    run (and only on that one, see ``MoE.routing``)."""
+    for layer in moe_layers(model).values():
+        layer.routing = None
 
 
 def _real_token_routing(

@@ -4,22 +4,38 @@ parameters). A family states only which layers are MoE and how (``feed_forward``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from temper.models.layers.decoder import Decoder
-from temper.models.layers.moe import MoE, RoutingStats, load_balancing_loss, load_imbalance
+from temper.models.layers.moe import (
+    RoutingStats,
+    clear_routing,
+    load_balancing_loss,
+    load_imbalance,
+    moe_layers,
+)
 
 
 class MoEDecoder(Decoder):
     """A ``Decoder`` with MoE MLPs in some layers; its args carry ``top_k`` and ``n_experts``.
 
-    The latest forward's routing gives ``aux_loss`` (load balancing, before the family's
-    ``router_aux_loss_coef``) and ``load_imbalance``, which the causal-LM objective reads."""
+    It owns its layers' routing statistics: each forward clears them first, so they are that
+    forward's, written once per layer whatever an activation checkpoint recomputes. They give
+    ``aux_loss`` (load balancing, before the family's ``router_aux_loss_coef``) and
+    ``load_imbalance``, which the causal-LM objective reads."""
+
+    def _hidden_states(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The decoder's, with the routing statistics of an earlier forward cleared first."""
+        clear_routing(self)
+        return super()._hidden_states(*args, **kwargs)
 
     def routing(self) -> list[RoutingStats]:
-        """Each MoE layer's routing in the latest forward."""
-        stats = [m.routing for m in self.modules() if isinstance(m, MoE)]
-        if not stats or any(s is None for s in stats):
+        """The routing of each MoE layer that ran in the latest forward (DeepSeek's
+        multi-token-prediction depths run in training mode only)."""
+        stats = [m.routing for m in moe_layers(self).values() if m.routing is not None]
+        if not stats:
             raise RuntimeError("no routing statistics: run a forward with MoE layers first")
         return stats
 
@@ -37,8 +53,7 @@ class MoEDecoder(Decoder):
         args = self.args
         experts = sum(
             p.numel()
-            for m in self.modules()
-            if isinstance(m, MoE)
+            for m in moe_layers(self).values()
             for p in m.experts.parameters()
             if trainable is None or p.requires_grad == trainable
         )

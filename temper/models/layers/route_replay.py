@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import MoE, moe_layers
 
 ROUTES = "routes"
 """A batch's field of routes to replay, [b, s, moe_layers, top_k]."""
@@ -33,7 +33,7 @@ ROUTE_DTYPE = torch.int16
 def routed_layers(model: nn.Module) -> list[MoE]:
     """The MoE layers of ``model``'s decoder blocks, in order; ValueError for a model without
     routed experts."""
-    layers = [m for block in model.layers for m in block.modules() if isinstance(m, MoE)]
+    layers = list(moe_layers(model.layers).values())
     if not layers:
         raise ValueError(
             f"objective.router_replay needs a model with routed experts; "
