@@ -27,7 +27,8 @@ from temper.generation import decoding, generate
 from temper.kernels.attention import DocumentMask, causal_band
 from temper.models import get_model_spec, load_hf
 from temper.models.deepseek_v32 import DeepseekV32Transformer
-from temper.models.glm_moe_dsa import GlmMoeDsaTransformer
+from temper.models.glm_moe_dsa import GlmMoeDsaArgs, GlmMoeDsaTransformer
+from temper.models.glm_moe_dsa.args import as_glm
 from temper.models.hf import read_hf_args
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
@@ -373,3 +374,20 @@ def test_dense_warmup_attends_densely_and_trains_only_the_indexers(tmp_path: Pat
         optimizer.zero_grad()
         kls.append(metrics["indexer_kl"].item())
     assert kls[-1] < 0.8 * kls[0], kls
+
+
+def test_unsupported_settings_are_refused_by_name(tmp_path: Path) -> None:
+    adapter = get_model_spec("deepseek_v32").hf_adapter
+    assert adapter is not None
+    config = DeepseekV32Config(**_BASE).to_dict()
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        adapter.args_from_hf(config | {"mlp_layer_types": ["dense", "sparse", "dense"]})
+    with pytest.raises(ValueError, match="q_lora_rank is required"):
+        adapter.args_from_hf(config | {"q_lora_rank": None})
+    with pytest.raises(ValueError, match="index_head_dim 4 must be >= qk_rope_head_dim 8"):
+        adapter.args_from_hf(config | {"index_head_dim": 4})
+    args = get_model_spec("deepseek_v32").flavors["debug"]
+    with pytest.raises(ValueError, match="indexer_training 'dense'"):
+        dataclasses.replace(args, indexer_training="dense")
+    with pytest.raises(ValueError, match="indexer_types\\[0\\] must be 'full'"):
+        GlmMoeDsaArgs(**{**vars(as_glm(args)), "indexer_types": ("shared",) * args.n_layers})

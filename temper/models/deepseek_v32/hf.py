@@ -67,6 +67,8 @@ def dsa_args_from_hf(config_names: ConfigNames, config: dict[str, Any]) -> Any:
     """``config_names``' args of a DSA config dict (DeepSeek V3's checks, then the MLP
     layout)."""
     check_mlp_layer_types(config)
+    if "q_lora_rank" in config and config["q_lora_rank"] is None:
+        raise ValueError("q_lora_rank is required (null): the indexer reads the query latent")
     heads = config["num_attention_heads"]
     if config.get("num_key_value_heads") not in (None, heads):
         raise ValueError(
