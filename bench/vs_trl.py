@@ -1,28 +1,31 @@
 """Temper against TRL on the same model, data, template and loss mask, in one run.
 
     python -m bench.vs_trl                                   # full SFT, rows of 512 and 1024
-    python -m bench.vs_trl --modes full,lora --seq-len 1024 --rounds 3 --steps 3
+    python -m bench.vs_trl --modes full,lora --seq-len 512,1024 --steps 5
 
 One random Qwen3-shaped model is saved to a temp folder with the built-in tokenizer, and a
-JSONL file of synthetic multi-turn chats (`conversations`: seeded, 60-540 tokens, median 258) beside
-it. Temper trains on the file as a run does (`Trainer` from the `sft_debug` recipe with
+JSONL file of synthetic multi-turn chats (`conversations`: seeded, 60-540 tokens, median
+258) beside it. Temper trains on the file as a run does (`Trainer` from the `sft_debug` recipe with
 ``--model.hf_path``, its default packing: best-fit decreasing over ``data.pack_buffer``
 samples into rows of ``seq_len``, padded). TRL's `SFTTrainer` trains on the same
 conversations tokenized by Temper's `tokenize_chat` (`trl_example`: the same ids, and labels
 that train exactly the tokens Temper trains), with its default packing (``packing=True``:
-best-fit decreasing over the whole data set, padding-free rows). Both use fp32, AdamW at a
-constant learning rate without weight decay, grad-norm clipping at 1 and ``batch`` rows (TRL:
-packed sequences) of ``seq_len`` per step; LoRA (``--modes lora``) is rank 8, alpha 16 on every
+best-fit decreasing over the whole data set, padding-free rows). Both use fp32, AdamW at
+lr 1e-4 without weight decay (TRL's constant, Temper's its recipe's cosine decay: the rate does
+not change a step's cost), grad-norm clipping at 1 and ``batch`` rows (TRL: packed sequences)
+of ``seq_len`` per step; LoRA (``--modes lora``) is rank 8, alpha 16 on every
 attention and MLP projection on both sides.
 
-Each side runs in a fresh process, one after the other, ``--rounds`` times (Temper, TRL,
-Temper, TRL, ...), so a swing of the shared machine's load falls on both over the rounds. A
-side's run takes one warm-up step, then ``--steps`` timed ones; seconds per step is the median
-of its step-end to step-end times (data, step and logging), tokens/s its tokens over those
-seconds: real tokens (every non-padding position) and trained ones (a label that counts).
-Fill is the real tokens over ``batch * seq_len`` positions per step. Peak memory is the peak
-resident set over the timed steps (VmHWM, reset after the warm-up) minus the resident set
-before the model was built. The ratios are Temper / TRL per round, and their median.
+Both sides run at once, each in a fresh process (its peak memory is its own), and take turns
+(`Turns`): after one warm-up step each, Temper takes a step while TRL waits, then TRL while
+Temper waits, ``--steps`` rounds, so load from anything else on the shared machine falls on
+both alike. A side's step time runs from getting the turn to the step's end, so it holds the
+side's data loading and logging as well as the step. Per side: the median seconds per step;
+tokens over the summed seconds, for real tokens (every non-padding position) and trained ones
+(a label that counts); fill, the real tokens over ``batch * seq_len`` positions a step; peak
+memory, the peak resident set over the timed steps (VmHWM, reset after the warm-up) minus the
+resident set before the model was built. The ratios are Temper / TRL per round (their median
+and range).
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import time
 import traceback
 from collections.abc import Callable
 from importlib import resources
-from itertools import pairwise
 from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
@@ -128,13 +130,45 @@ def make_folder(folder: Path, records: int, seed: int) -> None:
             out.write(json.dumps({"messages": chat}) + "\n")
 
 
-class StepClock:
-    """Step-end times and per-step token counts; resets the peak resident set after the
-    warm-up step so the peak covers the timed steps alone."""
+TIMEOUT_S = 1800.0
+"""The longest a side waits for the other (a hung side stops the run)."""
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.ends: list[float] = []
+
+class Turns:
+    """The two sides take turns, one step each: a side's turn runs from the moment it gets the
+    turn to its next step's end (its data, logging and step), while the other side waits, so
+    load from anything else on the machine falls on both alike. A side that fails hands the
+    other ``FAILED`` instead, which stops it."""
+
+    FAILED = len(SIDES)
+
+    def __init__(self, ctx: Any) -> None:
+        self.barrier = ctx.Barrier(len(SIDES))
+        self.turn = ctx.Value("i", 0)
+        self.changed = ctx.Condition()
+
+    def wait(self, me: int) -> None:
+        with self.changed:
+            self.changed.wait_for(lambda: self.turn.value in (me, self.FAILED), TIMEOUT_S)
+        if self.turn.value != me:
+            raise RuntimeError("the other side failed or timed out")
+
+    def hand_over(self, to: int) -> None:
+        with self.changed:
+            self.turn.value = to
+            self.changed.notify_all()
+
+
+class StepClock:
+    """Each timed step's seconds (within the side's turn) and token counts; the peak resident
+    set is reset after the warm-up step, so it covers the timed steps alone."""
+
+    def __init__(self, side: str, turns: Turns, warmup: int, steps: int) -> None:
+        self.me, self.other = SIDES.index(side), 1 - SIDES.index(side)
+        self.turns, self.warmup, self.steps = turns, warmup, steps
+        self.done = 0
+        self.start = 0.0
+        self.seconds: list[float] = []
         self.counts: list[tuple[int, int, int]] = []
         self.rss_before = _rss_gib()
 
@@ -142,30 +176,32 @@ class StepClock:
         self.counts.append((real, trained, positions))
 
     def step_end(self) -> None:
-        self.ends.append(time.perf_counter())
-        if len(self.ends) == self.warmup:
+        now = time.perf_counter()
+        self.done += 1
+        if self.done == self.warmup:
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+            self.turns.barrier.wait(TIMEOUT_S)  # both warmed up before any timing
+        elif self.done > self.warmup:
+            self.seconds.append(now - self.start)
+            self.turns.hand_over(self.other)
+        if self.done < self.warmup + self.steps:
+            self.turns.wait(self.me)
+            self.start = time.perf_counter()
 
-    def result(self, batch: int, seq_len: int) -> dict[str, float]:
-        seconds = [b - a for a, b in pairwise(self.ends[self.warmup - 1 :])]
-        real, trained, positions = (sum(c) for c in zip(*self.counts[self.warmup :], strict=True))
-        total = sum(seconds)
+    def result(self) -> dict[str, Any]:
         return {
-            "seconds_per_step": statistics.median(seconds),
-            "real_tokens_per_second": real / total,
-            "trained_tokens_per_second": trained / total,
-            "fill": real / (len(seconds) * batch * seq_len),
-            "computed_share": real / positions,
+            "seconds": self.seconds,
+            "counts": self.counts[self.warmup :],
             "peak_gib": _peak_rss_gib() - self.rss_before,
         }
 
 
-def run_temper(folder: str, seq_len: int, batch: int, steps: int, lora: bool) -> dict:
+def run_temper(turns: Turns, folder: str, seq_len: int, batch: int, steps: int, lora: bool) -> dict:
     from temper.config import load_config
     from temper.trainer.trainer import Trainer
 
     warmup = 1
-    clock = StepClock(warmup)
+    clock = StepClock("temper", turns, warmup, steps)
     argv = [
         "--model.hf_path", folder,
         "--data.path", f"{folder}/chats.jsonl",
@@ -195,10 +231,10 @@ def run_temper(folder: str, seq_len: int, batch: int, steps: int, lora: bool) ->
 
     trainer.train_step = timed_step  # type: ignore[method-assign]
     trainer.train()
-    return clock.result(batch, seq_len)
+    return clock.result()
 
 
-def run_trl(folder: str, seq_len: int, batch: int, steps: int, lora: bool) -> dict:
+def run_trl(turns: Turns, folder: str, seq_len: int, batch: int, steps: int, lora: bool) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -206,7 +242,7 @@ def run_trl(folder: str, seq_len: int, batch: int, steps: int, lora: bool) -> di
     from temper.data.tokenizer import load_tokenizer
 
     warmup = 1
-    clock = StepClock(warmup)
+    clock = StepClock("trl", turns, warmup, steps)
     tokenizer = load_tokenizer(folder)
     template = Path(folder, "template.jinja").read_text()
     lines = Path(folder, "chats.jsonl").read_text().splitlines()
@@ -257,33 +293,62 @@ def run_trl(folder: str, seq_len: int, batch: int, steps: int, lora: bool) -> di
         callbacks=[Clock()],
     )
     trainer.train()
-    return clock.result(batch, seq_len)
+    return clock.result()
 
 
 RUNNERS: dict[str, Callable[..., dict]] = {"temper": run_temper, "trl": run_trl}
 
 
-def _side_main(side: str, results: Queue, *args: Any) -> None:
+def _side_main(side: str, turns: Turns, results: Queue, *args: Any) -> None:
     try:
-        results.put(RUNNERS[side](*args))
+        results.put((side, RUNNERS[side](turns, *args)))
     except Exception:
-        results.put({"error": traceback.format_exc()})
+        turns.barrier.abort()  # release the other side instead of leaving it waiting
+        turns.hand_over(Turns.FAILED)
+        results.put((side, {"error": traceback.format_exc()}))
 
 
-def run_side(side: str, *args: Any) -> dict:
-    """One side's run in a fresh process (its peak memory is its own)."""
+def run_sides(*args: Any) -> dict[str, dict]:
+    """Both sides at once in fresh processes (each peak memory is its own), in turns."""
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_side_main, args=(side, results, *args))
-    proc.start()
-    out = results.get()
-    proc.join()
-    if "error" in out:
-        raise RuntimeError(f"{side} failed:\n{out['error']}")
+    turns, results = Turns(ctx), ctx.Queue()
+    procs = [ctx.Process(target=_side_main, args=(side, turns, results, *args)) for side in SIDES]
+    for proc in procs:
+        proc.start()
+    out = dict(results.get() for _ in procs)
+    for proc in procs:
+        proc.join()
+    failed = {side: r["error"] for side, r in out.items() if "error" in r}
+    if failed:
+        raise RuntimeError(f"benchmark failed: {failed}")
     return out
 
 
-RATIOS = ("real_tokens_per_second", "trained_tokens_per_second", "peak_gib")
+def summary(run: dict, batch: int, seq_len: int) -> dict[str, float]:
+    """A side's figures over its timed steps: median seconds, tokens over the summed seconds."""
+    seconds = sum(run["seconds"])
+    real, trained, _ = (sum(c) for c in zip(*run["counts"], strict=True))
+    return {
+        "seconds_per_step": statistics.median(run["seconds"]),
+        "real_tokens_per_second": real / seconds,
+        "trained_tokens_per_second": trained / seconds,
+        "fill": real / (len(run["seconds"]) * batch * seq_len),
+        "peak_gib": run["peak_gib"],
+    }
+
+
+def step_ratios(ours: dict, theirs: dict) -> dict[str, list[float]]:
+    """Temper / TRL of each timed step pair (a round: Temper's step, then TRL's)."""
+    pairs = list(
+        zip(ours["seconds"], theirs["seconds"], ours["counts"], theirs["counts"], strict=True)
+    )
+    return {
+        "seconds_per_step": [a / b for a, b, _, _ in pairs],
+        "real_tokens_per_second": [(ca[0] / a) / (cb[0] / b) for a, b, ca, cb in pairs],
+        "trained_tokens_per_second": [(ca[1] / a) / (cb[1] / b) for a, b, ca, cb in pairs],
+    }
+
+
 COLUMNS = (
     ("seconds_per_step", "s/step", ".2f"),
     ("real_tokens_per_second", "real tok/s", ",.0f"),
@@ -298,8 +363,9 @@ def main() -> None:
     parser.add_argument("--modes", default="full", help="comma-separated: full, lora")
     parser.add_argument("--seq-len", default="512,1024", help="comma-separated row lengths")
     parser.add_argument("--batch", type=int, default=4, help="rows (TRL: packed sequences)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps (rounds) a side, after one warm-up"
+    )
     parser.add_argument("--records", type=int, default=512)
     args = parser.parse_args()
     import transformers
@@ -307,39 +373,29 @@ def main() -> None:
 
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, trl "
-        f"{trl.__version__}, {torch.get_num_threads()} threads, fp32, batch {args.batch}, "
-        f"{args.steps} timed steps after 1 warm-up, {args.rounds} rounds (Temper, TRL, ...)\n"
+        f"{trl.__version__}, {torch.get_num_threads()} threads a side, fp32, batch {args.batch}, "
+        f"{args.steps} rounds (a Temper step, then a TRL step) after one warm-up step each\n"
     )
     header = " | ".join(f"{side} {label}" for _, label, _ in COLUMNS for side in ("Temper", "TRL"))
-    print(f"| mode | seq | round | {header} | s/step | real tok/s | trained tok/s | memory |")
-    print("| --- | ---: | --- |" + " ---: |" * (2 * len(COLUMNS) + 4))
+    ratio_names = ("s/step", "real tok/s", "trained tok/s")
+    ratio_header = " | ".join(f"{name} ratio (range)" for name in ratio_names)
+    print(f"| mode | seq | {header} | {ratio_header} | memory ratio |")
+    print("| --- | ---: |" + " ---: |" * (2 * len(COLUMNS) + len(ratio_names) + 1))
     with tempfile.TemporaryDirectory() as folder:
         make_folder(Path(folder), args.records, seed=0)
         for mode in args.modes.split(","):
             for seq_len in map(int, args.seq_len.split(",")):
-                ratios = []
-                for r in range(args.rounds):
-                    run = (folder, seq_len, args.batch, args.steps, mode == "lora")
-                    ours, theirs = (run_side(side, *run) for side in SIDES)
-                    ratio = [ours[k] / theirs[k] for k in ("seconds_per_step", *RATIOS)]
-                    ratios.append(ratio)
-                    cells = " | ".join(
-                        f"{side[key]:{fmt}}" for key, _, fmt in COLUMNS for side in (ours, theirs)
-                    )
-                    print(
-                        f"| {mode} | {seq_len} | {r + 1} | {cells} | "
-                        + " | ".join(f"{x:.2f}x" for x in ratio)
-                        + " |",
-                        flush=True,
-                    )
-                median = [statistics.median(col) for col in zip(*ratios, strict=True)]
-                blanks = " |" * (2 * len(COLUMNS))
-                print(
-                    f"| {mode} | {seq_len} | median |{blanks} "
-                    + " | ".join(f"**{x:.2f}x**" for x in median)
-                    + " |",
-                    flush=True,
+                runs = run_sides(folder, seq_len, args.batch, args.steps, mode == "lora")
+                ours, theirs = (summary(runs[side], args.batch, seq_len) for side in SIDES)
+                cells = " | ".join(
+                    f"{side[key]:{fmt}}" for key, _, fmt in COLUMNS for side in (ours, theirs)
                 )
+                ratios = " | ".join(
+                    f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+                    for r in step_ratios(runs["temper"], runs["trl"]).values()
+                )
+                memory = ours["peak_gib"] / theirs["peak_gib"]
+                print(f"| {mode} | {seq_len} | {cells} | {ratios} | {memory:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
