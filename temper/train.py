@@ -14,7 +14,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-import temper.engine  # noqa: F401  (registers every built-in config rule and objective)
+import temper.components  # noqa: F401  (every built-in config rule and objective)
 from temper.config import Config, ConfigError, load_config
 from temper.config.loading import short_help
 

@@ -4,11 +4,7 @@ meshes and checkpoints, for any training loop to drive (``docs/engine.md``).
 Importing this package loads every built-in component, so every built-in config rule and
 objective is registered."""
 
-# The built-in config rules run in this order: degrees, model fit, attention backend.
-import temper.parallel.dims  # noqa: F401, I001
-import temper.models  # noqa: F401
-import temper.kernels.attention  # noqa: F401
-import temper.objectives  # noqa: F401  (registers the built-in objectives)
+import temper.components  # noqa: F401, I001  (every built-in config rule, in order)
 from temper.engine.checkpointing import Stateful
 from temper.engine.engine import (
     Engine,

@@ -38,7 +38,6 @@ from torch.nn.attention.flex_attention import (
     create_block_mask,
     flex_attention,
 )
-from torch.nn.attention.varlen import varlen_attn
 
 from temper.config import Config, ConfigError, register_rule
 from temper.utils.compat import flex_attention_op, varlen_attention_op
@@ -48,8 +47,15 @@ from temper.utils.recompute import recomputed_whole
 Backend = Literal["auto", "sdpa", "flex", "varlen"]
 BACKENDS: tuple[Backend, ...] = ("auto", "sdpa", "flex", "varlen")
 
-# torch 2.11's varlen_attn has no enable_gqa (2.12+ has): there k/v heads are copied.
-_VARLEN_TAKES_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+@functools.cache
+def _varlen_kernel() -> tuple[Callable[..., torch.Tensor], bool]:
+    """torch's varlen_attn and whether it takes enable_gqa (2.12+; torch 2.11's does not,
+    and there k/v heads are copied). Imported when varlen first runs: its module imports
+    dynamo, about a second that the CLI's ``--help`` and config errors do without."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 class AttentionBackendError(RuntimeError):
@@ -401,9 +407,10 @@ def _varlen(
     d_v = v.shape[3]
     if docs is None:
         docs = DocumentMask.whole_rows(b, s, q.device)
+    varlen_attn, takes_gqa = _varlen_kernel()
     gqa = {}
     if k.shape[2] != h:
-        if _VARLEN_TAKES_GQA:
+        if takes_gqa:
             gqa = {"enable_gqa": True}
         else:
             k, v = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v))
@@ -426,20 +433,30 @@ def _varlen(
 
 _BACKENDS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
 
-ATTENTION_OPS = tuple(
-    op
-    for op in (
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-        flex_attention_op,
-        varlen_attention_op,
+
+@functools.cache
+def _attention_ops() -> tuple[object, ...]:
+    return tuple(
+        op
+        for op in (
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+            flex_attention_op,
+            varlen_attention_op(),
+        )
+        if op is not None
     )
-    if op is not None
-)
-"""The ops in which the backends compute attention (sdpa's fused kernels; its math fallback
-is matmuls), for selective activation checkpointing to keep their outputs."""
+
+
+def __getattr__(name: str) -> object:
+    """``ATTENTION_OPS``: the ops in which the backends compute attention (sdpa's fused
+    kernels; its math fallback is matmuls), for selective activation checkpointing to keep
+    their outputs. Made on first use, since looking up varlen's op imports dynamo."""
+    if name == "ATTENTION_OPS":
+        return _attention_ops()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @register_rule

@@ -10,11 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.attention.varlen  # noqa: F401  (registers the varlen op looked up below)
 from torch import nn
-
-# Dynamo's settings (``forward_side_effects_once`` below). Checked: 2.11, 2.13.
-from torch._dynamo import config as _dynamo_config
 
 # Intercepting aten calls (layout-invariant random init), and the type of the ops it sees.
 # Checked: 2.11, 2.13; no public module holds them in these versions.
@@ -83,8 +79,12 @@ def sac_ignores_profiler_annotations() -> None:
 def forward_side_effects_once() -> Any:
     """A context in which torch.compile lets an activation-checkpointed region set Python
     state in forward (the MoE layers' routing statistics), applied once and not replayed by
-    the recomputation. Checked: 2.11, 2.13. No public equivalent."""
-    return _dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    the recomputation. Dynamo's settings: checked 2.11, 2.13. No public equivalent. Imported
+    here, not with this module: dynamo takes about a second to import, which the CLI's
+    ``--help`` and config errors do without."""
+    from torch._dynamo import config
+
+    return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def dynamic_size(tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -92,7 +92,9 @@ def dynamic_size(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     for every size of it instead of one per size, also under ``dynamic=False`` (the static
     cache's filled length). Checked: 2.11, 2.13. No public equivalent (``torch.compiler`` has
     none)."""
-    torch._dynamo.mark_dynamic(tensor, dim)
+    from torch._dynamo import mark_dynamic
+
+    mark_dynamic(tensor, dim)
     return tensor
 
 
@@ -151,9 +153,13 @@ def _optional_op(namespace: str, name: str) -> Any:
         return None
 
 
-varlen_attention_op = _optional_op("torch_attn", "_varlen_attn")
-"""The op behind ``torch.nn.attention.varlen.varlen_attn``. Checked: 2.13; None in a build
-that does not register it, where varlen is not run either."""
+def varlen_attention_op() -> Any:
+    """The op behind ``torch.nn.attention.varlen.varlen_attn``, which that module registers
+    (importing it imports dynamo, so only when asked). Checked: 2.13; None in a build that
+    does not register it, where varlen is not run either."""
+    import torch.nn.attention.varlen  # noqa: F401
+
+    return _optional_op("torch_attn", "_varlen_attn")
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

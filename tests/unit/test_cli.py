@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -127,3 +128,40 @@ def test_help_all_wraps_each_field_help_as_one_paragraph(
     for block in blocks:
         for line, after in zip(block, block[1:], strict=False):
             assert len(line) + 1 + len(after.split()[0]) > width, block
+
+
+PROBE = """
+import json, sys
+from temper.train import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as stop:  # tyro exits itself on --help_all and a flag it refuses
+    code = stop.code
+heavy = ("torch._dynamo", "triton", "transformers", "temper.engine", "temper.trainer")
+print(json.dumps([code, [name for name in heavy if name in sys.modules]]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["--help"], 0),
+        (["--help_all"], 0),
+        (["--list"], 0),
+        (["--training.stepz", "3"], 2),  # a flag tyro refuses
+        (["--training.steps", "-1"], 2),  # a section's rule
+        (["--parallelism.sp", "3"], 2),  # a registered component's rule
+    ],
+)
+def test_help_list_and_config_errors_import_neither_the_engine_nor_dynamo(
+    argv: list[str], code: int
+) -> None:
+    """These answer from the config, its registered rules and the catalogs alone, so they
+    import neither the Engine and trainer nor what takes the most of a full import (dynamo
+    and triton, about a second here; transformers is never imported by temper.train)."""
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    answered, imported = json.loads(result.stdout.splitlines()[-1])
+    assert answered == code, result.stderr
+    assert imported == []
