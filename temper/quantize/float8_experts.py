@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from temper.kernels.swiglu import swiglu
-from temper.models.layers.moe import GroupedExperts
+from temper.models.layers.experts import GroupedExperts
 
 GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -160,7 +160,7 @@ def _expert_shards(config: Config) -> tuple[dict[str, torch.Tensor], list[str], 
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from temper.models.layers.moe import GroupedExperts
+    from temper.models.layers.experts import GroupedExperts
     from temper.trainer import Trainer
 
     model = Trainer(config).engine.model

@@ -17,13 +17,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 import temper.models as models
 from temper.models.deepseek_v3 import FLAVORS, DeepseekV3Args, DeepseekV3Transformer
 from temper.models.deepseek_v3.hf import args_from_hf, args_to_hf
-from temper.models.layers.moe import (
-    GroupLimitedRouter,
-    GroupLimitedRouting,
-    MoE,
-    update_expert_bias,
-)
+from temper.models.layers.moe import MoE
 from temper.models.layers.rope import rope_inv_freq
+from temper.models.layers.routers import GroupLimitedRouter, GroupLimitedRouting, update_expert_bias
 from temper.models.protocols import PostStepHook
 from temper.objectives import CausalLM
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, PreTrainedModel
 from temper.models import load_hf, save_hf
 from temper.models.deepseek_v3 import DeepseekV3Transformer
 from temper.models.hf import read_hf_args
-from temper.models.layers.moe import GroupLimitedRouter, update_expert_bias
+from temper.models.layers.routers import GroupLimitedRouter, update_expert_bias
 
 _BASE = {
     "vocab_size": 96,

@@ -13,7 +13,7 @@ import torch
 from temper.config import ConfigError
 from temper.kernels.grouped_gemm import grouped_mm_reference
 from temper.models import build_model
-from temper.models.layers.moe import GroupedExperts
+from temper.models.layers.experts import GroupedExperts
 from temper.quantize.float8_experts import (
     GROUP_ALIGN,
     Float8GroupedExperts,

@@ -124,7 +124,7 @@ def test_selective_checkpointing_saves_the_custom_ops_output(
 ) -> None:
     """Experts' three GEMMs: forward 3 runs, backward 6 (rows' and weights' gradients);
     `full` runs the 3 forward ones again, `selective` keeps their outputs."""
-    from temper.models.layers.moe import GroupedExperts
+    from temper.models.layers.experts import GroupedExperts
     from temper.parallel.activation_checkpoint import apply_activation_checkpointing
 
     calls = []

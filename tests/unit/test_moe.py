@@ -8,20 +8,16 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 from temper.kernels.grouped_gemm import grouped_mm_fast
 from temper.kernels.moe_permute import unpermute
-from temper.models.layers import moe as moe_module
+from temper.models.layers import experts as experts_module
+from temper.models.layers.experts import GroupedExperts, permute, run_local
 from temper.models.layers.moe import (
-    GroupedExperts,
-    GroupLimitedRouting,
     MoE,
     RoutingStats,
-    TopKRouter,
     clear_routing,
     load_balancing_loss,
     load_imbalance,
-    permute,
-    run_local,
-    update_expert_bias,
 )
+from temper.models.layers.routers import GroupLimitedRouting, TopKRouter, update_expert_bias
 
 DIM, HIDDEN, EXPERTS = 16, 12, 6
 
@@ -100,7 +96,7 @@ def test_permute_grouped_gemm_unpermute_equal_a_loop_over_experts_with_empty_one
     if kernel == "torch._grouped_mm":
         if not hasattr(torch, "_grouped_mm"):
             pytest.skip("no torch._grouped_mm")
-        monkeypatch.setattr(moe_module, "grouped_mm", grouped_mm_fast)
+        monkeypatch.setattr(experts_module, "grouped_mm", grouped_mm_fast)
         dtype = torch.float32  # its CPU kernel's dtypes
     gen = torch.Generator().manual_seed(0)
     used = torch.tensor([e for e in range(n_experts) if e not in empty])

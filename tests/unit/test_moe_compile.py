@@ -21,7 +21,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from temper.models import build_model, materialize
-from temper.models.layers.moe import MoE, moe_layers, run_local
+from temper.models.layers.experts import run_local
+from temper.models.layers.moe import MoE, moe_layers
 from temper.parallel.activation_checkpoint import CheckpointMode, apply_activation_checkpointing
 from temper.parallel.compile import apply_compile
 

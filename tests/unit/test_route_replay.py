@@ -19,7 +19,7 @@ from temper.data.chat import BUILTIN_TEMPLATE, stop_token_ids
 from temper.data.prompts import prompt_dataset
 from temper.data.tokenizer import load_tokenizer
 from temper.models.layers.clamped_moe import BiasedTopKRouter
-from temper.models.layers.moe import GroupLimitedRouter, GroupLimitedRouting, MoE, TopKRouter
+from temper.models.layers.moe import MoE
 from temper.models.layers.route_replay import (
     ROUTES,
     recording_routes,
@@ -27,6 +27,7 @@ from temper.models.layers.route_replay import (
     routed_layers,
     stacked,
 )
+from temper.models.layers.routers import GroupLimitedRouter, GroupLimitedRouting, TopKRouter
 from temper.models.registry import build_model
 from temper.objectives import GRPO, micro_batch_scope
 from temper.objectives.causal_lm import label_log_probs

@@ -12,16 +12,15 @@ from temper.models.layers.init import depth_scaled_std
 from temper.models.layers.kv_cache import KVCache
 from temper.models.layers.mla import MLA
 from temper.models.layers.mlp import FeedForward
-from temper.models.layers.moe import (
-    GroupLimitedRouter,
-    GroupLimitedRouting,
-    MoE,
-    moe_layers,
-    update_expert_bias,
-)
+from temper.models.layers.moe import MoE, moe_layers
 from temper.models.layers.moe_decoder import MoEDecoder
 from temper.models.layers.mtp import MTPLoss, MultiTokenPredictor, mtp_loss
 from temper.models.layers.rope import rope_cos_sin
+from temper.models.layers.routers import (
+    GroupLimitedRouter,
+    GroupLimitedRouting,
+    update_expert_bias,
+)
 
 
 class DeepseekV3Transformer(MoEDecoder):
