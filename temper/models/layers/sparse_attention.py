@@ -100,7 +100,8 @@ class LightningIndexer(nn.Module):
         q = self._rotate(self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim), cos, sin)
         # [b, s, h, d] @ [b, 1, d, t]: every head's dot product with the one key head.
         logits = q.float() @ keys.float().transpose(1, 2).unsqueeze(1) * self.head_dim**-0.5
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        # In fp32 whatever the compute dtype, as transformers keeps this projection.
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
         return (weights.unsqueeze(-2) @ F.relu(logits)).squeeze(-2)
 
 
