@@ -17,7 +17,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 import temper.models as models
 from temper.models.deepseek_v3 import FLAVORS, DeepseekV3Args, DeepseekV3Transformer
 from temper.models.deepseek_v3.hf import args_from_hf, args_to_hf
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import moe_layers
 from temper.models.layers.rope import rope_inv_freq
 from temper.models.layers.routers import GroupLimitedRouter, GroupLimitedRouting, update_expert_bias
 from temper.models.protocols import PostStepHook
@@ -328,7 +328,7 @@ def test_training_forwards_count_the_load_the_model_update_reads() -> None:
         model(ids)  # no autograd: not a training step, not counted
     model.eval()
     model(ids)
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    moes = list(moe_layers(model).values())
     assert all(m.router.load.sum() == 0 for m in moes)
     model.train()
     model(ids)

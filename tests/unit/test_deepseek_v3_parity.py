@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, PreTrainedModel
 from temper.models import load_hf, save_hf
 from temper.models.deepseek_v3 import DeepseekV3Transformer
 from temper.models.hf import read_hf_args
-from temper.models.layers.routers import GroupLimitedRouter, update_expert_bias
+from temper.models.layers.moe import moe_layers
+from temper.models.layers.routers import update_expert_bias
 
 _BASE = {
     "vocab_size": 96,
@@ -161,7 +162,7 @@ def test_router_bias_update_survives_the_round_trip(tmp_path: Path) -> None:
     tiny_hf(CASES["plain_q_default_rope"], tmp_path / "hf")
     native = load_hf(tmp_path / "hf")
     native(torch.randint(0, 96, (2, 24)))
-    routers = [m for m in native.modules() if isinstance(m, GroupLimitedRouter)]
+    routers = [m.router for m in moe_layers(native).values()]
     update_expert_bias(routers, 0.25)
     save_hf(native, tmp_path / "out")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
