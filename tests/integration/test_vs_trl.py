@@ -7,8 +7,9 @@ TRL's side is TRL's own code: `SFTTrainer` and `DPOTrainer` are instantiated on 
 model and tokenizer (fp32, CPU), their datasets prepared by TRL, their collators batch the
 records and their ``compute_loss`` gives the loss (the DPO rewards are read from the metrics it
 logs). For GRPO a `GRPOTrainer` is instantiated too and its ``_compute_loss`` is called on a
-hand-built batch of completions, advantages and old/reference log-probs (the rollout, rewards
-and advantages are not compared). SimPO and ORPO call the experimental CPO and ORPO trainers'
+hand-built batch of completions, advantages and old/reference log-probs; its
+``_generate_and_score_completions`` samples the completions whose rewards give the advantages
+compared (the sampling itself is not). SimPO and ORPO call the experimental CPO and ORPO trainers'
 functions with a stand-in ``self``. Temper's side is its data path (``tokenize_chat``, the
 preference stream, ``sft_row``) and its objectives on the folder loaded with ``load_hf``. The
 tokenizer is the built-in one with Qwen's ``<|im_start|>``/``<|im_end|>`` added, the template
@@ -467,3 +468,56 @@ def test_grpo_loss_equals_trl(folder: Path, tmp_path: Path, loss: str, kl: str) 
     assert ours == pytest.approx(theirs, abs=TOLERANCE), (ours, theirs)
     assert 0 < metrics["clip_fraction"] < 1  # the clip decides for some units, not all
     assert _grad_error(trainer.model, native) <= GRAD_RTOL
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_grpo_advantages_equal_trl(folder: Path, tmp_path: Path, scale: str) -> None:
+    """``--objective.advantage_scale`` against TRL's ``scale_rewards`` of the same name: TRL
+    samples two groups of four completions (``_generate_and_score_completions``, transformers'
+    ``generate``), and Temper's advantages (``PolicyLoss.advantages``, then
+    ``GRPO.finish_rollout`` on one micro-batch and one rank) of the rewards TRL's reward
+    function gave equal TRL's."""
+    given: list[float] = []
+
+    def reward(completions: list[Any], **kwargs: Any) -> list[float]:
+        scores = [float(len(completion[0]["content"]) % 5) for completion in completions]
+        given.extend(scores)
+        return scores
+
+    prompts = [[_turn("user", "sort: 3 1 2")], [_turn("user", "copy: a b")]]
+    trainer = GRPOTrainer(
+        model=_hf(folder),
+        reward_funcs=reward,
+        args=GRPOConfig(
+            **_common(tmp_path) | {"per_device_train_batch_size": 8},
+            num_generations=4,
+            max_completion_length=MAX_NEW_TOKENS,
+            scale_rewards=scale,
+        ),
+        train_dataset=Dataset.from_list([{"prompt": prompt} for prompt in prompts]),
+        processing_class=AutoTokenizer.from_pretrained(folder),
+    )
+    torch.manual_seed(5)
+    rows = [trainer.train_dataset[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    theirs = trainer._generate_and_score_completions(rows)["advantages"]
+    rewards = torch.tensor(given)
+    assert len(set(given[:4])) > 1 and len(set(given[4:])) > 1  # both groups teach something
+
+    objective = GRPO(
+        tokenizer=load_tokenizer(str(folder)),
+        stop_tokens=set(),
+        rewards={"exact_match": exact_match},
+        reward_weights=[1.0],
+        group_size=4,
+        max_new_tokens=MAX_NEW_TOKENS,
+        temperature=1.0,
+        top_k=None,
+        top_p=1.0,
+        clip_eps=0.2,
+        kl_coef=0.0,
+        updates_per_rollout=1,
+        policy_loss=PolicyLoss(scale=scale),
+    )
+    batch = {"advantages": objective.policy_loss.advantages(rewards, 4), "rewards": rewards}
+    objective.finish_rollout([batch], lambda sums: sums)
+    torch.testing.assert_close(batch["advantages"], theirs, rtol=0, atol=TOLERANCE)
