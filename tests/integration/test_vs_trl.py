@@ -304,7 +304,8 @@ def test_reference_free_losses_equal_trl(folder: Path, loss_type: str) -> None:
     with a stand-in ``self`` (the trainers tokenize their own way, so the rows are Temper's,
     whose tokens the DPO test holds to DPOTrainer's): ``get_batch_logps`` (answer-token means)
     on transformers' logits, then ``CPOTrainer.cpo_loss`` (``loss_type="simpo"``,
-    ``cpo_alpha=0``) or ``ORPOTrainer.odds_ratio_loss``. ORPO's NLL term is the paper's, each
+    ``cpo_alpha=0``) or ``ORPOTrainer.odds_ratio_loss``: the loss, its gradient and the
+    rewards. ORPO's NLL term is the paper's, each
     chosen answer's token mean, averaged over pairs: TRL's trainer takes it over the prompt's
     tokens too (docs/post-training.md), so that term is built here from TRL's answer means."""
     beta, gamma = 0.3, 0.4
@@ -313,8 +314,8 @@ def test_reference_free_losses_equal_trl(folder: Path, loss_type: str) -> None:
     shifted = torch.cat([rows["chosen_labels"], rows["rejected_labels"]])
     labels = torch.cat([torch.full_like(shifted[:, :1], IGNORE_INDEX), shifted[:, :-1]], dim=1)
     assert (shifted[:, -1] == IGNORE_INDEX).all()  # nothing lost by the unshift
-    with torch.no_grad():
-        logits = _hf(folder)(input_ids).logits
+    hf_model = _hf(folder)
+    logits = hf_model(input_ids).logits
     average = CPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
     n = len(PAIRS)
     stand_in = SimpleNamespace(
@@ -327,16 +328,19 @@ def test_reference_free_losses_equal_trl(folder: Path, loss_type: str) -> None:
     )
     if loss_type == "simpo":
         losses, chosen, rejected = CPOTrainer.cpo_loss(stand_in, average[:n], average[n:])
-        theirs = losses.mean().item()
+        theirs = losses.mean()
     else:
         odds, chosen, rejected, _, _ = ORPOTrainer.odds_ratio_loss(
             stand_in, average[:n], average[n:]
         )
-        theirs = (-average[:n].mean() - odds.mean()).item()
+        theirs = -average[:n].mean() - odds.mean()
+    theirs.backward()
     objective = DPO(beta=beta, loss_type=loss_type, simpo_gamma=gamma)
-    with torch.no_grad():
-        loss_sum, pairs_count, metrics = objective.loss(load_hf(folder), rows)
-    assert (loss_sum / pairs_count).item() == pytest.approx(theirs, abs=TOLERANCE)
+    native = load_hf(folder)
+    loss_sum, pairs_count, metrics = objective.loss(native, rows)
+    (loss_sum / pairs_count).backward()
+    assert (loss_sum / pairs_count).item() == pytest.approx(theirs.item(), abs=TOLERANCE)
+    assert _grad_error(hf_model, native) <= GRAD_RTOL
     assert metrics["rewards_chosen"].item() == pytest.approx(chosen.mean().item(), abs=TOLERANCE)
     assert metrics["rewards_rejected"].item() == pytest.approx(
         rejected.mean().item(), abs=TOLERANCE
