@@ -386,20 +386,32 @@ def _old_and_ref(log_probs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
     return old * mask, ref * mask
 
 
+def _rows_of(batch: dict[str, torch.Tensor], part: int, rows: int) -> dict[str, torch.Tensor]:
+    """Micro-batch ``part`` of ``rows`` rows."""
+    return {key: value[part * rows : (part + 1) * rows] for key, value in batch.items()}
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("kl", list(KL))
 @pytest.mark.parametrize("loss", list(GRPO_CASES))
-def test_grpo_loss_equals_trl(folder: Path, tmp_path: Path, loss: str, kl: str) -> None:
-    """Temper's GRPO loss (the micro-batch's loss over its count, the step's whole division
-    for one micro-batch on one rank) against ``GRPOTrainer._compute_loss`` on the same
-    completions, advantages, old and reference log-probs, sampling temperature and clip range
-    (0.2 low, 0.28 high), for every loss name with a TRL counterpart and each KL setting."""
+def test_grpo_loss_equals_trl(
+    folder: Path, tmp_path: Path, loss: str, kl: str, micro_batches: int
+) -> None:
+    """Temper's GRPO step loss (each micro-batch's loss sum over the step's count, summed)
+    against ``GRPOTrainer._compute_loss`` summed over the step's micro-batches (TRL's training
+    mode, ``gradient_accumulation_steps`` = ``micro_batches``) on the same completions,
+    advantages, old and reference log-probs, sampling temperature and clip range (0.2 low,
+    0.28 high), for every loss name with a TRL counterpart and each KL setting: the value and
+    every weight's gradient."""
     kl_coef, estimator = KL[kl]
     trl_batch = _grpo_batch(AutoTokenizer.from_pretrained(folder).vocab_size)
+    rows = trl_batch["prompt_ids"].shape[0] // micro_batches
     trainer = GRPOTrainer(
         model=_hf(folder),
         reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
         args=GRPOConfig(
-            **_common(tmp_path) | {"per_device_train_batch_size": 4},
+            **_common(tmp_path) | {"per_device_train_batch_size": rows},
+            gradient_accumulation_steps=micro_batches,
             num_generations=2,
             max_completion_length=MAX_NEW_TOKENS,
             temperature=TEMPERATURE,
@@ -412,7 +424,8 @@ def test_grpo_loss_equals_trl(folder: Path, tmp_path: Path, loss: str, kl: str) 
         train_dataset=Dataset.from_list([{"prompt": "sort: 3 1 2"}] * 4),
         processing_class=AutoTokenizer.from_pretrained(folder),
     )
-    trainer.model.eval()  # TRL's eval mode: no gradient-accumulation division
+    trainer.model.train()  # from_pretrained leaves it in eval mode, where TRL does not accumulate
+    trainer.current_gradient_accumulation_steps = micro_batches  # set by TRL's training loop
     prompt_len = trl_batch["prompt_ids"].shape[1]
     input_ids = torch.cat([trl_batch["prompt_ids"], trl_batch["completion_ids"]], dim=1)
     mask = trl_batch["completion_mask"].bool()
@@ -424,14 +437,14 @@ def test_grpo_loss_equals_trl(folder: Path, tmp_path: Path, loss: str, kl: str) 
         logits = native(input_ids)[:, prompt_len - 1 : -1] / TEMPERATURE
         policy = logits.log_softmax(-1).gather(-1, trl_batch["completion_ids"][..., None])[..., 0]
     old, ref = _old_and_ref(policy, mask)
-    trl_batch |= {
-        "old_per_token_logps": old,
-        "ref_per_token_logps": ref,
-        "num_items_in_batch": mask.sum(),
-    }
-    trl_loss = trainer._compute_loss(trainer.model, trl_batch)
-    trl_loss.backward()
-    theirs = trl_loss.item()
+    trl_batch |= {"old_per_token_logps": old, "ref_per_token_logps": ref}
+    theirs = 0.0
+    for part in range(micro_batches):
+        # TRL's dapo divides by the whole generation batch's completion tokens.
+        chunk = _rows_of(trl_batch, part, rows) | {"num_items_in_batch": mask.sum()}
+        trl_loss = trainer._compute_loss(trainer.model, chunk)
+        trl_loss.backward()
+        theirs += trl_loss.item()
 
     def _spread(per_token: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(input_ids.shape)
@@ -466,11 +479,16 @@ def test_grpo_loss_equals_trl(folder: Path, tmp_path: Path, loss: str, kl: str) 
         "ref_log_probs": _spread(ref),
         "completion_lengths": mask.sum(dim=1),
     }
-    loss_sum, count, metrics = objective.loss(native, batch)
-    (loss_sum / count).backward()
-    ours = (loss_sum / count).item()
+    parts = [_rows_of(batch, i, rows) for i in range(micro_batches)]
+    step_count = sum(objective.count(part) for part in parts)  # the trainer's global count
+    ours, clipped = 0.0, []
+    for part in parts:
+        loss_sum, _, metrics = objective.loss(native, part)
+        (loss_sum / step_count).backward()
+        ours += (loss_sum / step_count).item()
+        clipped.append(metrics["clip_fraction"].item())
     assert ours == pytest.approx(theirs, abs=TOLERANCE), (ours, theirs)
-    assert 0 < metrics["clip_fraction"] < 1  # the clip decides for some units, not all
+    assert max(clipped) > 0 and min(clipped) < 1  # the clip decides for some units, not all
     assert _grad_error(trainer.model, native) <= GRAD_RTOL
 
 
