@@ -46,6 +46,7 @@ from temper.objectives.dpo import DPO
 from temper.objectives.grpo import GRPO
 from temper.objectives.policy_loss import PolicyLoss
 from temper.objectives.rewards import exact_match
+from temper.objectives.rollout import rollout_rows
 from tests.unit.hf_parity import checkpoint_grads, max_rel_err, randomize_norms
 
 TOLERANCE = 1e-6
@@ -360,21 +361,27 @@ MAX_NEW_TOKENS = 6
 TEMPERATURE = 0.7
 
 
-def _grpo_batch(vocab: int) -> dict[str, torch.Tensor]:
-    """Four completions of two prompts (one prompt length: no left padding), of 6, 3, 5 and 2
-    tokens, right-padded, with advantages of both signs."""
+def _grpo_batch(vocab: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """TRL's batch of four completions, of 6, 3, 5 and 2 tokens (right-padded), of two prompts
+    of 5 and 3 tokens (left-padded, as TRL pads them), with advantages of both signs; and the
+    rows' prompts unpadded."""
     gen = torch.Generator().manual_seed(3)
-    prompt_ids = torch.randint(5, vocab, (2, 5), generator=gen).repeat_interleave(2, dim=0)
-    completion_ids = torch.randint(5, vocab, (4, MAX_NEW_TOKENS), generator=gen)
+    prompts = [torch.randint(5, vocab, (n,), generator=gen) for n in (5, 5, 3, 3)]
+    prompts[1], prompts[3] = prompts[0], prompts[2]  # a group shares its prompt
+    prompt_ids = torch.zeros(4, 5, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for i, prompt in enumerate(prompts):
+        prompt_ids[i, 5 - prompt.numel() :] = prompt
+        prompt_mask[i, 5 - prompt.numel() :] = 1
     lengths = torch.tensor([6, 3, 5, 2])
-    completion_mask = (torch.arange(MAX_NEW_TOKENS)[None] < lengths[:, None]).long()
-    return {
+    batch = {
         "prompt_ids": prompt_ids,
-        "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
+        "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(5, vocab, (4, MAX_NEW_TOKENS), generator=gen),
+        "completion_mask": (torch.arange(MAX_NEW_TOKENS)[None] < lengths[:, None]).long(),
         "advantages": torch.tensor([0.9, -0.9, 1.3, -0.4]),
     }
+    return batch, prompts
 
 
 def _old_and_ref(log_probs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,9 +409,10 @@ def test_grpo_loss_equals_trl(
     mode, ``gradient_accumulation_steps`` = ``micro_batches``) on the same completions,
     advantages, old and reference log-probs, sampling temperature and clip range (0.2 low,
     0.28 high), for every loss name with a TRL counterpart and each KL setting: the value and
-    every weight's gradient."""
+    every weight's gradient. Prompts of two lengths: TRL's rows left-pad them, Temper's are
+    laid out by ``rollout_rows``."""
     kl_coef, estimator = KL[kl]
-    trl_batch = _grpo_batch(AutoTokenizer.from_pretrained(folder).vocab_size)
+    trl_batch, prompts = _grpo_batch(AutoTokenizer.from_pretrained(folder).vocab_size)
     rows = trl_batch["prompt_ids"].shape[0] // micro_batches
     trainer = GRPOTrainer(
         model=_hf(folder),
@@ -426,16 +434,27 @@ def test_grpo_loss_equals_trl(
     )
     trainer.model.train()  # from_pretrained leaves it in eval mode, where TRL does not accumulate
     trainer.current_gradient_accumulation_steps = micro_batches  # set by TRL's training loop
-    prompt_len = trl_batch["prompt_ids"].shape[1]
-    input_ids = torch.cat([trl_batch["prompt_ids"], trl_batch["completion_ids"]], dim=1)
     mask = trl_batch["completion_mask"].bool()
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    labels[:, prompt_len - 1 : -1] = trl_batch["completion_ids"].masked_fill(~mask, IGNORE_INDEX)
+    lengths = mask.sum(dim=1)
+    # Temper's rows as its rollouts lay them out: each prompt, then its completion, right-padded.
+    input_ids, labels = rollout_rows(prompts, trl_batch["completion_ids"], lengths)
+    starts = [prompt.numel() - 1 for prompt in prompts]  # where each row's first label sits
+
+    def _spread(per_token: torch.Tensor) -> torch.Tensor:
+        """[b, MAX_NEW_TOKENS] in TRL's completion columns -> [b, width] in Temper's rows."""
+        out = torch.zeros(input_ids.shape)
+        for i, (start, n) in enumerate(zip(starts, lengths.tolist(), strict=True)):
+            out[i, start : start + n] = per_token[i, :n]
+        return out
 
     native = load_hf(folder)
     with torch.no_grad():
-        logits = native(input_ids)[:, prompt_len - 1 : -1] / TEMPERATURE
-        policy = logits.log_softmax(-1).gather(-1, trl_batch["completion_ids"][..., None])[..., 0]
+        logits = native(input_ids) / TEMPERATURE
+        own = logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    policy = torch.zeros(mask.shape)
+    for i, (start, n) in enumerate(zip(starts, lengths.tolist(), strict=True)):
+        policy[i, :n] = own[i, start : start + n]
+    assert torch.equal(_spread(policy), own.masked_fill(labels == IGNORE_INDEX, 0.0))
     old, ref = _old_and_ref(policy, mask)
     trl_batch |= {"old_per_token_logps": old, "ref_per_token_logps": ref}
     theirs = 0.0
@@ -445,11 +464,6 @@ def test_grpo_loss_equals_trl(
         trl_loss = trainer._compute_loss(trainer.model, chunk)
         trl_loss.backward()
         theirs += trl_loss.item()
-
-    def _spread(per_token: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(input_ids.shape)
-        out[:, prompt_len - 1 : -1] = per_token
-        return out
 
     objective = GRPO(
         tokenizer=load_tokenizer(str(folder)),
@@ -477,7 +491,7 @@ def test_grpo_loss_equals_trl(
         "old_log_probs": _spread(old),
         "sampler_log_probs": _spread(old),
         "ref_log_probs": _spread(ref),
-        "completion_lengths": mask.sum(dim=1),
+        "completion_lengths": lengths,
     }
     parts = [_rows_of(batch, i, rows) for i in range(micro_batches)]
     step_count = sum(objective.count(part) for part in parts)  # the trainer's global count
