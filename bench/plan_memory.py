@@ -33,12 +33,12 @@ import argparse
 import os
 import sys
 import tempfile
-import weakref
 from pathlib import Path
 
 import torch
 
 from bench.train_step import _peak_rss_gib, _reset_peak, _rss_gib
+from temper.plan.activations import LiveBytes
 from temper.utils.compat import TorchDispatchMode
 
 MODULES = ("llama3", "qwen3", "qwen3_5", "deepseek_v3", "gpt_oss")
@@ -83,33 +83,21 @@ def _module(recipe: str) -> str:
 
 class LiveTensors(TorchDispatchMode):
     """The peak bytes of the storages that ops create while it is on, each counted until
-    it is freed: tensor memory as the run really allocates it, without the process's own."""
+    it is freed: tensor memory as the run really allocates it, without the process's own.
+    A DTensor op's output counts as its local shard: the wrapper holds no memory, and the
+    shard is made by ops below this mode, which it does not see (counted as the wrapper, the
+    optimizer step's sharded gradients and temporaries read at their global size). Storages
+    of ``held`` (counted apart) are never counted, though in-place ops (the optimizer's on
+    the weights and its state) return them."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: list[torch.Tensor]) -> None:
         super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _track(self, t: object) -> None:
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            return
-        storage = t.untyped_storage()
-        key, size = storage._cdata, storage.nbytes()
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, size)
-
-    def _free(self, key: int, size: int) -> None:
-        self.live -= size
-        self._seen.discard(key)
+        self.bytes = LiveBytes({_local(t).untyped_storage()._cdata for t in held})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            self._track(t)
+            self.bytes.track(_local(t))
         return out
 
 
@@ -130,11 +118,12 @@ def _measure(recipe: str, folder: str, argv: list[str]) -> tuple[float, float, t
     model, optimizer = trainer.engine.model, trainer.engine.optimizer
     held = [*model.parameters(), *model.buffers()]
     held += [v for state in optimizer.state.values() for v in state.values()]
-    alive = sum(_local(t).untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor))
-    tracker = LiveTensors()
+    held = [t for t in held if isinstance(t, torch.Tensor)]
+    alive = sum(_local(t).untyped_storage().nbytes() for t in held)
+    tracker = LiveTensors(held)
     with tracker:
         trainer.train_step([next(batches)])
-    return rss, (alive + tracker.peak) / 2**30, _routed(model)
+    return rss, (alive + tracker.bytes.peak) / 2**30, _routed(model)
 
 
 def _routed(model: torch.nn.Module) -> torch.Tensor:

@@ -13,9 +13,10 @@ does not split tokens evenly, and the plan is the busiest rank's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from unittest import mock
 
 import torch
@@ -74,6 +75,12 @@ class Activations:
     attention_io: int = 0
     """Bytes of q, k, v and output per micro-batch over all attention layers: what Ulysses'
     all-to-alls move."""
+    leading: int = 0
+    """Of ``outside``, what is saved before the blocks end (the embedding's)."""
+    loss_peak: int = 0
+    """The most bytes alive at once of what runs after the blocks allocated (final norm, the
+    head's chunked logits and their temporaries, the gradients the fused loss fills in
+    forward for backward), on top of what the blocks hold then: the forward's peak."""
 
     def held(self, mode: str) -> int:
         """Bytes held at the start of backward under activation checkpointing ``mode``: with
@@ -110,9 +117,36 @@ class _Storages:
         return storage.nbytes()
 
 
+class LiveBytes:
+    """The peak of the bytes alive of the storages it is shown, each counted once until it
+    is freed (on meta too: a storage goes with its last tensor); storages in ``skip`` are
+    never counted."""
+
+    def __init__(self, skip: set[int] | None = None) -> None:
+        self.live = self.peak = 0
+        self._skip = skip or set()
+        self._seen: set[int] = set()
+
+    def track(self, t: object) -> None:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return
+        storage = t.untyped_storage()
+        key, size = storage._cdata, storage.nbytes()
+        if key in self._seen or key in self._skip:
+            return
+        self._seen.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self._seen.discard(key)
+
+
 class _KeptOutputs(TorchDispatchMode):
     """Adds the outputs of selective checkpointing's saved ops, and attention's q, k, v and
-    output, to the block running."""
+    output, to the block running; after the blocks, follows what the loss allocates."""
 
     def __init__(self, measure: _Measure) -> None:
         super().__init__()
@@ -120,9 +154,12 @@ class _KeptOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        if func in SAVED_OPS:
-            outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if func in SAVED_OPS and self.measure.current is not None:
             self.measure.add_kept(sum(self.measure.kept_storages.bytes_of(t) for t in outputs))
+        if self.measure.after_blocks is not None:
+            for t in outputs:
+                self.measure.after_blocks.track(t)
         return out
 
 
@@ -188,6 +225,8 @@ class _Measure:
         self.kept_storages = _Storages(params)
         self.activations = Activations()
         self.current: BlockActivations | None = None
+        self.after_blocks: LiveBytes | None = None
+        """Set when the last block's forward ends."""
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
@@ -248,6 +287,9 @@ class _Measure:
 
         def leave(module: nn.Module, args: tuple, output: object) -> None:
             self.current = None
+            if module is blocks[-1]:
+                self.activations.leading = self.activations.outside
+                self.after_blocks = LiveBytes()
 
         def start_part(module: nn.Module, args: tuple) -> None:
             if self.current is not None:
@@ -279,7 +321,9 @@ def measure_activations(
     ``ep_imbalance`` the experts sit behind an expert-parallel dispatch whose rank receives
     that many times the rows it sends (``_Measure.dispatch``); with ``sp`` attention runs on
     Ulysses' shapes (``_Measure.attention``)."""
-    configure_kernels(config.kernels, torch.device("meta"))
+    # The fused loss's chunk of the planned device, not meta's.
+    chunk = config.kernels.chunk_tokens(torch.device(device))
+    configure_kernels(replace(config.kernels, cross_entropy_chunk=chunk), torch.device("meta"))
     model.attn_backend = "sdpa"
     rows, length = tokens
     ids = torch.zeros(rows, length, dtype=torch.long, device="meta")
@@ -294,4 +338,6 @@ def measure_activations(
     model.train()
     with measure.blocks(list(model.layers)), hooks, attention, _KeptOutputs(measure):
         objective.loss(model, batch)
+    if measure.after_blocks is not None:
+        measure.activations.loss_peak = measure.after_blocks.peak
     return measure.activations

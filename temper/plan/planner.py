@@ -47,7 +47,8 @@ class RankMemory:
     flight (all-gathers, prefetch, reduce-scatter inputs, units kept gathered between forward
     and backward); unsharded in bf16, autocast's copies."""
     peak: int
-    """The larger of the backward peak (state, activations, gathered, gradients so far) and
+    """The largest of the end of forward's (state, gathered, what the blocks hold and the
+    loss's own peak), the backward peak (state, activations, gathered, gradients so far) and
     the optimizer step's (state, gradients, its temporaries)."""
 
 
@@ -194,7 +195,9 @@ def _peak(
         peak = live + grads + 2 * block.largest - block.after_largest
         backward_peak = max(backward_peak, peak)
         live -= freed
-    backward = state.params + state.optimizer + gathered + backward_peak
+    # The loss runs last in forward, beside all that the blocks hold until backward.
+    forward_peak = acts.leading + sum(kept) + acts.loss_peak
+    backward = state.params + state.optimizer + gathered + max(backward_peak, forward_peak)
     # The step holds every gradient (the embedding's and head's too); foreach AdamW (CPU)
     # adds a temporary the size of the gradients, fused AdamW (CUDA) none.
     step_temp = state.grads if device == "cpu" else 0
