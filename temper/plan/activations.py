@@ -52,6 +52,9 @@ class BlockActivations:
     first); ``part`` is the one running."""
     part: int = 0
     largest_part: int = 0
+    forward_peak: int = 0
+    """The most bytes alive at once of what its forward allocated, saved or not (Gated
+    DeltaNet's chunk matrices, say): also its recomputation's peak."""
 
     def add(self, n: int) -> None:
         self.parts[self.part] += n
@@ -91,29 +94,35 @@ class Activations:
         if mode == "none":
             return self.outside + sum(b.saved for b in self.blocks)
         if mode == "full":
-            recompute = max(b.saved for b in self.blocks)
-            return self.outside + sum(b.input for b in self.blocks) + recompute
-        # Selective recomputes only what it did not keep.
-        recompute = max(max(b.saved - b.kept, 0) for b in self.blocks)
-        return self.outside + sum(b.input + b.kept for b in self.blocks) + recompute
+            return self.outside + sum(b.input for b in self.blocks) + self.recomputed(mode)
+        return self.outside + sum(b.input + b.kept for b in self.blocks) + self.recomputed(mode)
+
+    def recomputed(self, mode: str) -> int:
+        """Of ``held``, the largest block's recomputation (selective recomputes only what it
+        did not keep)."""
+        if not self.blocks or mode == "none":
+            return 0
+        if mode == "full":
+            return max(b.saved for b in self.blocks)
+        return max(max(b.saved - b.kept, 0) for b in self.blocks)
 
 
 class _Storages:
-    """Storages counted once each (several saved views of one tensor cost one storage). Each
-    counted storage is kept alive (free on meta), so no later one reuses its address."""
+    """Storages counted once each while alive (several saved views of one tensor cost one
+    storage; a later storage at a freed one's address counts again)."""
 
     def __init__(self, exclude: set[int]) -> None:
         self.seen = set(exclude)
-        self._alive: list[torch.UntypedStorage] = []
 
     def bytes_of(self, t: object) -> int:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             return 0
         storage = t.untyped_storage()
-        if storage._cdata in self.seen:
+        key = storage._cdata
+        if key in self.seen:
             return 0
-        self.seen.add(storage._cdata)
-        self._alive.append(storage)
+        self.seen.add(key)
+        weakref.finalize(storage, self.seen.discard, key)
         return storage.nbytes()
 
 
@@ -157,9 +166,12 @@ class _KeptOutputs(TorchDispatchMode):
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         if func in SAVED_OPS and self.measure.current is not None:
             self.measure.add_kept(sum(self.measure.kept_storages.bytes_of(t) for t in outputs))
-        if self.measure.after_blocks is not None:
+        live = self.measure.after_blocks or self.measure.block_live
+        if live is not None:
             for t in outputs:
-                self.measure.after_blocks.track(t)
+                live.track(t)
+        if self.measure.current is not None and self.measure.block_live is not None:
+            self.measure.current.forward_peak = self.measure.block_live.peak
         return out
 
 
@@ -223,10 +235,13 @@ class _Measure:
         params |= {b.untyped_storage()._cdata for b in model.buffers()}
         self.saved_storages = _Storages(params)
         self.kept_storages = _Storages(params)
+        self.params = params
         self.activations = Activations()
         self.current: BlockActivations | None = None
         self.after_blocks: LiveBytes | None = None
         """Set when the last block's forward ends."""
+        self.block_live: LiveBytes | None = None
+        """What the running block's forward allocated."""
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
@@ -284,12 +299,13 @@ class _Measure:
             block = BlockActivations(input=sum(a.nbytes for a in args[:1]))
             self.activations.blocks.append(block)
             self.current = block
+            self.block_live = LiveBytes(self.params)  # a weight's views are no allocation
 
         def leave(module: nn.Module, args: tuple, output: object) -> None:
-            self.current = None
+            self.current = self.block_live = None
             if module is blocks[-1]:
                 self.activations.leading = self.activations.outside
-                self.after_blocks = LiveBytes()
+                self.after_blocks = LiveBytes(self.params)
 
         def start_part(module: nn.Module, args: tuple) -> None:
             if self.current is not None:

@@ -193,10 +193,17 @@ def _peak(
     ):
         grads += grad
         peak = live + grads + 2 * block.largest - block.after_largest
+        if mode != "none":  # its recomputation's own peak, beside what the others hold
+            again = block.forward_peak - (block.kept if mode == "selective" else 0)
+            peak = max(peak, live - acts.recomputed(mode) + grads + again)
         backward_peak = max(backward_peak, peak)
         live -= freed
-    # The loss runs last in forward, beside all that the blocks hold until backward.
-    forward_peak = acts.leading + sum(kept) + acts.loss_peak
+    # In forward: each block's peak beside what the earlier ones hold; last, the loss's.
+    forward_peak, before = 0, acts.leading
+    for block, held_after in zip(acts.blocks, kept, strict=True):
+        forward_peak = max(forward_peak, before + block.forward_peak)
+        before += held_after
+    forward_peak = max(forward_peak, before + acts.loss_peak)
     backward = state.params + state.optimizer + gathered + max(backward_peak, forward_peak)
     # The step holds every gradient (the embedding's and head's too); foreach AdamW (CPU)
     # adds a temporary the size of the gradients, fused AdamW (CUDA) none.
