@@ -131,13 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(known.module, known.config, overrides)
         if known.check_only or known.preflight:
             from temper.trainer.console import complete_line, finished_step
-            from temper.trainer.preflight import preflight
 
             finished = finished_step(config)
-            if finished is not None:  # answered before any input is read or rank started
+            if finished is not None:  # answered before the Engine is imported or input read
                 root = Path(config.job.dump_folder) / config.checkpoint.folder
                 print(complete_line(finished, root), file=sys.stderr)
                 return NOTHING_TO_DO if known.check_only else 0
+            from temper.trainer.preflight import preflight
+
             if known.preflight:  # --check_only keeps stderr to the one line of a refusal
                 print(f"temper: checking {CHECKED}", flush=True)
             preflight(config)

@@ -78,7 +78,8 @@ def test_a_finished_run_is_answered_before_anything_is_built(
 ) -> None:
     """A rerun of a complete run says so from the run folder alone: the one-process launch
     (--preflight) exits 0 and --check_only (before torchrun) exits 3, neither building the
-    model nor reading the data; run_train.sh with NGPU=2 then launches nothing and exits 0."""
+    model nor reading the data nor importing the Engine; run_train.sh with NGPU=2 then
+    launches nothing and exits 0."""
     import temper.trainer as trainer_module
     import temper.trainer.preflight as preflight_module
 
@@ -98,6 +99,15 @@ def test_a_finished_run_is_answered_before_anything_is_built(
     assert capsys.readouterr().err.startswith(complete)
     assert main(["--check_only", *run]) == 3
     assert capsys.readouterr().err.startswith(complete)
+    probe = PROBE.replace('"temper.trainer")', '"temper.trainer.trainer")')
+    result = subprocess.run(
+        [sys.executable, "-c", probe, "--check_only", *run],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert json.loads(result.stdout.splitlines()[-1]) == [3, []], result.stderr  # no Engine
 
     env = {**os.environ, "TEMPER_PYTHON": sys.executable, "NGPU": "2"}
     result = subprocess.run(
