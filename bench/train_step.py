@@ -360,27 +360,44 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_sides(*args: Any) -> dict[str, dict]:
-    """Both sides at once in fresh processes (each peak memory is its own), stepping in turns."""
+def run_sides(
+    sides: tuple[str, ...],
+    measure: Callable[..., dict],
+    make_turns: Callable[[Any], Any],
+    *args: Any,
+) -> dict[str, dict]:
+    """Each side's ``measure(side, turns, *args)`` at once, in fresh processes (each peak
+    memory is its own), taking turns through ``make_turns(context)``'s object; a side that
+    fails calls its ``abort()`` to release the other instead of leaving it waiting."""
     ctx = mp.get_context("spawn")
-    turns, results = ctx.Barrier(len(SIDES)), ctx.Queue()
-    procs = [ctx.Process(target=_side_main, args=(side, turns, results, *args)) for side in SIDES]
+    turns, results = make_turns(ctx), ctx.Queue()
+    procs = [
+        ctx.Process(target=_side_main, args=(side, measure, turns, results, *args))
+        for side in sides
+    ]
     for proc in procs:
         proc.start()
     out = dict(results.get() for _ in procs)
     for proc in procs:
         proc.join()
-    failed = {side: r for side, r in out.items() if "error" in r}
+    failed = {side: r["error"] for side, r in out.items() if "error" in r}
     if failed:
         raise RuntimeError(f"benchmark failed: {failed}")
     return out
 
 
-def _side_main(side: str, turns: Barrier, results: Queue, *args: Any) -> None:
+def _turn_barrier(ctx: Any) -> Barrier:
+    """Both sides meet at it before each timed step (train_step's turns)."""
+    return ctx.Barrier(len(SIDES))
+
+
+def _side_main(
+    side: str, measure: Callable[..., dict], turns: Any, results: Queue, *args: Any
+) -> None:
     try:
         results.put((side, measure(side, turns, *args)))
     except Exception:
-        turns.abort()  # release the other side instead of leaving it waiting
+        turns.abort()
         results.put((side, {"error": traceback.format_exc()}))
 
 
@@ -444,7 +461,16 @@ def main() -> None:
             make_hf_folder(case, Path(folder))
             for seq_len in map(int, args.seq_len.split(",")):
                 common = (folder, args.batch, seq_len, args.steps, args.device, dtype)
-                runs = run_sides(*common, args.kernels, args.compile, args.threads, args.profile)
+                runs = run_sides(
+                    SIDES,
+                    measure,
+                    _turn_barrier,
+                    *common,
+                    args.kernels,
+                    args.compile,
+                    args.threads,
+                    args.profile,
+                )
                 ours, theirs = runs["temper"], runs["hf"]
                 _report(name, seq_len, ours, theirs, peak, dtype)
                 if args.profile:

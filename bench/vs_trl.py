@@ -32,25 +32,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import random
 import shutil
 import statistics
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from importlib import resources
-from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.train_step import _peak_rss_gib, _rss_gib
+from bench.train_step import _peak_rss_gib, _rss_gib, run_sides
 from temper.data.batch import IGNORE_INDEX, REAL_TOKENS
 from temper.data.chat import BUILTIN_TEMPLATE, tokenize_chat
-from temper.data.tokenizer import Tokenizer
 
 SIDES = ("temper", "trl")
 LR = 1e-4
@@ -102,12 +98,6 @@ def conversations(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
     return chats
 
 
-def encode(tokenizer: Tokenizer, template: str, chat: list[dict[str, str]]) -> tuple[list, list]:
-    """A chat's token ids and which of them train (the assistant's), as Temper's data makes
-    them (``data.train_on_prompt`` off)."""
-    return tokenize_chat(tokenizer, template, chat)
-
-
 def trl_example(ids: list[int], trains: list[bool]) -> dict[str, list[int]]:
     """A pre-tokenized TRL record of the same sample: TRL's model shifts the labels, so token t
     trains (``labels[t] = ids[t]``) exactly where Temper's label at input t - 1 is ``ids[t]``."""
@@ -157,6 +147,11 @@ class Turns:
         with self.changed:
             self.turn.value = to
             self.changed.notify_all()
+
+    def abort(self) -> None:
+        """This side failed: release the other, at the warm-up barrier or waiting its turn."""
+        self.barrier.abort()
+        self.hand_over(self.FAILED)
 
 
 class StepClock:
@@ -246,7 +241,9 @@ def run_trl(turns: Turns, folder: str, seq_len: int, batch: int, steps: int, lor
     tokenizer = load_tokenizer(folder)
     template = Path(folder, "template.jinja").read_text()
     lines = Path(folder, "chats.jsonl").read_text().splitlines()
-    examples = [trl_example(*encode(tokenizer, template, json.loads(x)["messages"])) for x in lines]
+    examples = [
+        trl_example(*tokenize_chat(tokenizer, template, json.loads(x)["messages"])) for x in lines
+    ]
     hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=f"{folder}/tokenizer.json", pad_token="<|pad|>", eos_token="<|endoftext|>"
     )
@@ -299,29 +296,8 @@ def run_trl(turns: Turns, folder: str, seq_len: int, batch: int, steps: int, lor
 RUNNERS: dict[str, Callable[..., dict]] = {"temper": run_temper, "trl": run_trl}
 
 
-def _side_main(side: str, turns: Turns, results: Queue, *args: Any) -> None:
-    try:
-        results.put((side, RUNNERS[side](turns, *args)))
-    except Exception:
-        turns.barrier.abort()  # release the other side instead of leaving it waiting
-        turns.hand_over(Turns.FAILED)
-        results.put((side, {"error": traceback.format_exc()}))
-
-
-def run_sides(*args: Any) -> dict[str, dict]:
-    """Both sides at once in fresh processes (each peak memory is its own), in turns."""
-    ctx = mp.get_context("spawn")
-    turns, results = Turns(ctx), ctx.Queue()
-    procs = [ctx.Process(target=_side_main, args=(side, turns, results, *args)) for side in SIDES]
-    for proc in procs:
-        proc.start()
-    out = dict(results.get() for _ in procs)
-    for proc in procs:
-        proc.join()
-    failed = {side: r["error"] for side, r in out.items() if "error" in r}
-    if failed:
-        raise RuntimeError(f"benchmark failed: {failed}")
-    return out
+def run_side(side: str, turns: Turns, *args: Any) -> dict:
+    return RUNNERS[side](turns, *args)
 
 
 def summary(run: dict, batch: int, seq_len: int) -> dict[str, float]:
@@ -385,7 +361,9 @@ def main() -> None:
         make_folder(Path(folder), args.records, seed=0)
         for mode in args.modes.split(","):
             for seq_len in map(int, args.seq_len.split(",")):
-                runs = run_sides(folder, seq_len, args.batch, args.steps, mode == "lora")
+                runs = run_sides(
+                    SIDES, run_side, Turns, folder, seq_len, args.batch, args.steps, mode == "lora"
+                )
                 ours, theirs = (summary(runs[side], args.batch, seq_len) for side in SIDES)
                 cells = " | ".join(
                     f"{side[key]:{fmt}}" for key, _, fmt in COLUMNS for side in (ours, theirs)

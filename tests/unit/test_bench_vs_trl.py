@@ -7,9 +7,9 @@ import itertools
 import torch
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from bench.vs_trl import conversations, encode, trl_example
+from bench.vs_trl import conversations, trl_example
 from temper.data.batch import IGNORE_INDEX, REAL_TOKENS
-from temper.data.chat import BUILTIN_TEMPLATE
+from temper.data.chat import BUILTIN_TEMPLATE, tokenize_chat
 from temper.data.sft import sft_dataset
 from temper.data.tokenizer import load_tokenizer
 
@@ -20,7 +20,7 @@ def test_trl_trains_on_the_assistant_tokens_temper_trains_on() -> None:
     as the labels its model shifts, so its label at t + 1 is Temper's label at t."""
     tokenizer = load_tokenizer(None)
     chats = conversations(6, seed=1)
-    examples = [trl_example(*encode(tokenizer, BUILTIN_TEMPLATE, chat)) for chat in chats]
+    examples = [trl_example(*tokenize_chat(tokenizer, BUILTIN_TEMPLATE, chat)) for chat in chats]
     pad = tokenizer.pad_id
     flat = DataCollatorForLanguageModeling(pad_token_id=pad, padding_free=True)(examples)
     starts = (flat["position_ids"][0] == 0).nonzero().flatten().tolist() + [flat["labels"].size(1)]
