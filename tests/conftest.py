@@ -6,10 +6,13 @@ test would inherit the choices of whichever Trainer test ran before it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
+from importlib import resources
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 
 import temper.engine  # noqa: F401  (registers every built-in config rule and objective)
@@ -33,3 +36,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def reference_kernels() -> Iterator[None]:
     yield
     configure_kernels(REFERENCE, torch.device("cpu"))
+
+
+def write_qwen_tokenizer(path: Path, chat_template: str) -> int:
+    """The built-in tokenizer with Qwen's turn markers added, saved in ``path`` with
+    ``chat_template``, as a Qwen-style HF folder holds it; its vocabulary size."""
+    raw = tokenizers.Tokenizer.from_str(
+        resources.files("temper.assets").joinpath("tokenizer.json").read_text()
+    )
+    raw.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    raw.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|pad|>",
+        "chat_template": chat_template,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return raw.get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer() -> Callable[[Path, str], int]:
+    """``write_qwen_tokenizer``, for tests in any folder."""
+    return write_qwen_tokenizer

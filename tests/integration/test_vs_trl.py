@@ -19,14 +19,12 @@ Qwen's form.
 from __future__ import annotations
 
 import itertools
-import json
-from importlib import resources
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import tokenizers
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
@@ -101,25 +99,16 @@ PAIRS = [
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def folder(
+    tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer: Callable[[Path, str], int]
+) -> Path:
     """A random tiny Qwen3 (random norm gains) and a tokenizer with Qwen's chat template."""
     path = tmp_path_factory.mktemp("qwen3_trl")
-    raw = tokenizers.Tokenizer.from_str(
-        resources.files("temper.assets").joinpath("tokenizer.json").read_text()
-    )
-    raw.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    raw.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|pad|>",
-        "chat_template": QWEN_TAGGED,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    vocab_size = qwen_tokenizer(path, QWEN_TAGGED)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         Qwen3Config(
-            vocab_size=raw.get_vocab_size(),
+            vocab_size=vocab_size,
             hidden_size=64,
             intermediate_size=96,
             num_hidden_layers=2,

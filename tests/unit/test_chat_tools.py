@@ -5,11 +5,10 @@ train and the tool's result does not, prompts carry their tools, bad calls are r
 from __future__ import annotations
 
 import json
-from importlib import resources
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import tokenizers
 from transformers import AutoTokenizer
 
 from temper.data.chat import (
@@ -74,21 +73,12 @@ PARALLEL = [
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def folder(
+    tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer: Callable[[Path, str], int]
+) -> Path:
     """The built-in tokenizer with Qwen's turn markers, and the Qwen2.5 template."""
     path = tmp_path_factory.mktemp("qwen2_5")
-    raw = tokenizers.Tokenizer.from_str(
-        resources.files("temper.assets").joinpath("tokenizer.json").read_text()
-    )
-    raw.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    raw.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|pad|>",
-        "chat_template": TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    qwen_tokenizer(path, TEMPLATE)
     return path
 
 
