@@ -1,5 +1,7 @@
 """DeepSeek V3: the shared MoE decoder with multi-head latent attention and DeepSeek's router."""
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -114,15 +116,20 @@ class DeepseekV3Transformer(MoEDecoder):
         )
 
     def attention(self, layer_id: int) -> nn.Module:
+        return MLA(**self.mla_shape())
+
+    def mla_shape(self) -> dict[str, Any]:
+        """MLA's sizes and rotary settings from the args, for this family's layers and for
+        the families whose attention extends MLA (DSA's ``SparseMLA``)."""
         args = self.args
-        return MLA(
-            args.dim,
-            args.n_heads,
-            args.q_lora_rank,
-            args.kv_lora_rank,
-            args.qk_nope_head_dim,
-            args.qk_rope_head_dim,
-            args.v_head_dim,
+        return dict(
+            dim=args.dim,
+            n_heads=args.n_heads,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            v_head_dim=args.v_head_dim,
             softmax_scale=args.softmax_scale,
             rope_scale=args.rope_scale,
             rope_interleaved=args.rope_interleave,

@@ -42,22 +42,12 @@ class DeepseekV32Transformer(DeepseekV3Transformer):
         """Layer ``layer_id``'s attention, sharing ``selection`` with the layers before or
         after it (GLM-5's cross-layer top-k)."""
         args = self.args
-        assert args.q_lora_rank is not None  # DeepseekV32Args requires it
         return SparseMLA(
-            args.dim,
-            args.n_heads,
-            args.q_lora_rank,
-            args.kv_lora_rank,
-            args.qk_nope_head_dim,
-            args.qk_rope_head_dim,
-            args.v_head_dim,
+            **self.mla_shape(),
             index_n_heads=args.index_n_heads,
             index_head_dim=args.index_head_dim,
             index_topk=args.index_topk,
             index_rope_interleaved=self.index_rope_interleaved,
-            softmax_scale=args.softmax_scale,
-            rope_scale=args.rope_scale,
-            rope_interleaved=args.rope_interleave,
             indexer_training=args.indexer_training,
             selection=selection,
             own_indexer=args.has_indexer(layer_id),
