@@ -77,13 +77,9 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip()
+            holder = os.read(fd, 4096)
             os.close(fd)
-            raise ConfigError(
-                f"job.dump_folder {self.folder} is in use by another run "
-                f"({holder or 'holder not named yet'}): wait for it to end or stop it, or give "
-                "this run its own --job.dump_folder"
-            ) from None
+            raise _refusal(self.folder, holder) from None
         except OSError as error:
             os.close(fd)
             if error.errno not in _UNSUPPORTED:
@@ -98,6 +94,15 @@ class RunLock:
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode())
         return fd
+
+
+def _refusal(folder: str, holder: bytes) -> ConfigError:
+    """The one-line refusal naming the run that holds ``folder`` (its lock file's text)."""
+    named = holder.decode(errors="replace").strip() or "holder not named yet"
+    return ConfigError(
+        f"job.dump_folder {folder} is in use by another run ({named}): wait for it to end or "
+        "stop it, or give this run its own --job.dump_folder"
+    )
 
 
 def hold_run_folder(folder: str, runtime: Runtime) -> RunLock:
@@ -118,5 +123,21 @@ def hold_run_folder(folder: str, runtime: Runtime) -> RunLock:
 
 
 def check_run_folder_free(folder: str) -> None:
-    """The pre-flight's look: ConfigError naming the holder if a run holds ``folder`` now."""
-    RunLock(folder).acquire().release()
+    """The pre-flight's look: ConfigError naming the holder if a run holds ``folder`` now.
+
+    It looks with a shared lock, taken and dropped at once, so that the pre-flights of several
+    nodes on one shared run folder, which run at the same moment, do not refuse each other;
+    only a run's exclusive lock refuses them."""
+    path = os.path.realpath(Path(folder) / LOCK_FILE)
+    if path in _HELD or not os.path.exists(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _refusal(folder, os.read(fd, 4096)) from None
+    except OSError as error:
+        if error.errno not in _UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)

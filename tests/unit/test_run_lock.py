@@ -17,7 +17,7 @@ import pytest
 
 from temper.config import ConfigError
 from temper.train import main
-from temper.trainer.run_lock import LOCK_FILE, RunLock
+from temper.trainer.run_lock import LOCK_FILE, RunLock, check_run_folder_free
 from temper.trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,6 +90,21 @@ def test_one_process_may_take_its_own_lock_again(tmp_path: Path) -> None:
     assert is_locked(tmp_path / LOCK_FILE)
     second.release()
     assert not is_locked(tmp_path / LOCK_FILE)
+
+
+def test_pre_flights_looking_at_once_do_not_refuse_each_other(tmp_path: Path) -> None:
+    """Every node of a multi-node run checks the shared run folder at the same moment: one
+    node's look (a shared lock held right now) must not refuse another's, a run's must."""
+    run = tmp_path / "run"
+    check_run_folder_free(str(run))
+    assert not run.exists()  # a look creates nothing
+    RunLock(run).acquire().release()
+    look = os.open(run / LOCK_FILE, os.O_RDONLY)
+    try:
+        fcntl.flock(look, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        check_run_folder_free(str(run))
+    finally:
+        os.close(look)
 
 
 def test_the_trainer_holds_the_lock_while_it_trains(tmp_path: Path, monkeypatch) -> None:
