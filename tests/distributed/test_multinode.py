@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,24 +41,30 @@ def test_two_nodes_train_like_one_process(tmp_path: Path) -> None:
         "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
     }
+    logs = [tmp_path / f"node{index}.log" for index in range(2)]
     nodes = [
         subprocess.Popen(
             [str(ROOT / "run_train.sh"), *args],
             cwd=tmp_path,
             env=env,
-            stdout=subprocess.PIPE,
+            stdout=log.open("w"),
             stderr=subprocess.STDOUT,
-            text=True,
             start_new_session=True,  # so a hung node goes down with its torchrun workers
         )
-        for _ in range(2)
+        for log in logs
     ]
     try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+        deadline = time.monotonic() + 300
+        # A node that fails leaves the other waiting in rendezvous: stop at the first failure.
+        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            if any(node.poll() not in (None, 0) for node in nodes):
+                break
+            time.sleep(0.5)
     finally:
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
+    outputs = [(node.wait(), log.read_text())[1] for node, log in zip(nodes, logs, strict=True)]
     for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output[-3000:]
     assert "world 2" in "".join(outputs)
