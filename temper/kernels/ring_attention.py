@@ -1,0 +1,247 @@
+"""Ring attention: causal attention over a sequence split across context-parallel (CP) ranks.
+
+Layout (load-balanced): the sequence, padded to a multiple of ``2 * cp``, is cut into
+``2 * cp`` chunks and rank r holds chunk r and chunk ``2cp - 1 - r``. Under causal masking an
+early chunk sees few keys and a late one many, so each rank pairing one of each does the same
+work.
+
+Each rank keeps its queries and passes its keys and values around the ring (to rank r + 1,
+from rank r - 1): after ``cp`` steps it has met every rank's K/V block, and the partial result
+of each block is merged with the log-sum-exp (online softmax) rule. Whether a query sees a key
+is decided on global columns, which every rank knows from the layout: causal order, the same
+document (from the ``DocumentMask`` of the whole sequence, which every rank holds, so no
+document id needs to travel with the blocks), the sliding window. Attention sinks join each
+row's denominator once, after the merge, never once per block.
+
+The backward is a custom autograd function: the forward keeps only the local q, k, v, output
+and log-sum-exp; the backward passes K and V around the ring again together with their
+gradient accumulators, recomputing each block's probabilities from the saved log-sum-exp (as
+flash attention's backward does), so every rank's dK and dV come home after ``cp`` shifts. The
+next block's transfer (batched isend/irecv) is posted before the current block's compute.
+
+This is the plain-PyTorch reference (a block's scores held in fp32, on any device and gloo);
+fused per-block kernels (flash/varlen on GPU) are not built yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from temper.kernels.attention import DocumentMask
+
+
+def load_balanced_indices(
+    seq_len: int, rank: int, size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The global columns rank ``rank`` of ``size`` holds, in its local order: chunk ``rank``
+    then chunk ``2 * size - 1 - rank`` of the ``2 * size`` chunks of ``seq_len``."""
+    if seq_len % (2 * size):
+        raise ValueError(
+            f"context parallelism splits a sequence into 2 x cp = {2 * size} chunks; its "
+            f"length {seq_len} is not a multiple of that (pad it first)"
+        )
+    chunk = seq_len // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    return torch.cat([first, first + (2 * size - 1 - 2 * rank) * chunk])
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    docs: DocumentMask | None,
+    group: dist.ProcessGroup,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal (block-causal with ``docs``) attention of this rank's queries over the whole
+    sequence held by the CP ``group`` in the load-balanced layout.
+
+    q [b, s, h, d], k [b, s, h_kv, d], v [b, s, h_kv, d_v] are this rank's ``s`` tokens (h a
+    multiple of h_kv; d_v may differ from d, as in MLA); ``docs`` is the whole sequence's
+    mask ([b, s * cp], global order), None for one document per row. ``scale``, ``window``
+    and ``sinks`` [h] mean what they mean for ``temper.kernels.attention.attention``, with
+    columns counted globally. Returns [b, s, h, d_v] in q's dtype.
+    """
+    size = dist.get_world_size(group)
+    b, s, h, _ = q.shape
+    if h % k.shape[2]:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[2]})")
+    if docs is not None and tuple(docs.doc_ids.shape) != (b, s * size):
+        raise ValueError(
+            f"ring attention needs the whole sequence's document mask, [batch, seq x cp] = "
+            f"{[b, s * size]}, got {list(docs.doc_ids.shape)}"
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    doc_ids = None if docs is None else docs.doc_ids
+    return _RingAttention.apply(q, k, v, sinks, doc_ids, group, scale, window)
+
+
+class _RingAttention(torch.autograd.Function):
+    """See the module docstring. Internally heads are grouped: q [b, s, h_kv, g, d], scores
+    [b, h_kv, g, s_q, s_k], log-sum-exp [b, h_kv, g, s_q]."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        ring = _Ring(group, q, doc_ids, window)
+        q5 = _grouped(q, k.shape[2]).float()
+        b, s, h_kv, g, _ = q5.shape
+        out = q5.new_zeros(b, s, h_kv, g, v.shape[3])
+        lse = q5.new_full((b, h_kv, g, s), float("-inf"))
+        block = [k, v]
+        for step in range(ring.size):
+            receive = ring.shift(block) if step < ring.size - 1 else None
+            scores = ring.scores(q5, block[0], step, scale)
+            block_lse = scores.logsumexp(dim=-1)
+            probs = torch.exp(scores - _finite(block_lse)[..., None])
+            block_out = torch.einsum("bhgqk,bkhe->bqhge", probs, block[1].float())
+            out, lse = _merge(out, lse, block_out, block_lse)
+            if receive is not None:
+                block = receive()
+        if sinks is not None:
+            total = torch.logaddexp(lse, sinks.float().view(1, h_kv, g, 1))
+            out = out * _per_query(torch.exp(lse - total))
+            lse = total
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.ring, ctx.scale = ring, scale
+        return out.flatten(2, 3)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        ring: _Ring = ctx.ring
+        scale: float = ctx.scale
+        q5 = _grouped(q, k.shape[2]).float()
+        d_out = grad_out.float().view(out.shape)
+        # The softmax backward's row term: sum_j p_j (dO . v_j) = dO . O.
+        delta = (d_out * out.float()).sum(dim=-1).permute(0, 2, 3, 1)
+        dq = torch.zeros_like(q5)
+        block = [k, v]
+        grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        for step in range(ring.size):
+            receive = ring.shift(block) if step < ring.size - 1 else None
+            keys, values = block
+            probs = torch.exp(ring.scores(q5, keys, step, scale) - lse[..., None])
+            d_probs = torch.einsum("bqhge,bkhe->bhgqk", d_out, values.float())
+            d_scores = probs * (d_probs - delta[..., None])
+            dq += torch.einsum("bhgqk,bkhd->bqhgd", d_scores, keys.float()) * scale
+            grads[0] = grads[0] + torch.einsum("bhgqk,bqhgd->bkhd", d_scores, q5) * scale
+            grads[1] = grads[1] + torch.einsum("bhgqk,bqhge->bkhe", probs, d_out)
+            # The accumulators travel with their block; the last shift brings them home.
+            grads = ring.shift(grads)() if ring.size > 1 else grads
+            if receive is not None:
+                block = receive()
+        d_sinks = None
+        if sinks is not None:
+            # d out / d sink = -p_sink * out per row, so dL/d sink = -sum_rows p_sink * delta.
+            sink = sinks.float().view(1, *lse.shape[1:3], 1)
+            d_sinks = -(torch.exp(sink - lse) * delta).sum(dim=(0, 3)).flatten().to(sinks.dtype)
+        dk, dv = grads
+        dq = dq.view(q.shape).to(q.dtype)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), d_sinks, None, None, None, None
+
+
+class _Ring:
+    """This rank's place in the CP ring: neighbours, every rank's global columns, and the
+    visibility mask of its queries against any rank's block."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        q: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        window: int | None,
+    ) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        seq_len = q.shape[1] * self.size
+        self.columns = [
+            load_balanced_indices(seq_len, r, self.size, q.device) for r in range(self.size)
+        ]
+        self.doc_ids = doc_ids
+        self.window = window
+
+    def visible(self, source: int) -> torch.Tensor:
+        """[b or 1, s_q, s_k] bool: which keys of rank ``source``'s block this rank's queries
+        see (same document, causal, within the window), by global column."""
+        queries, keys = self.columns[self.rank][:, None], self.columns[source][None, :]
+        mask = keys <= queries
+        if self.window is not None:
+            mask = mask & (queries - keys < self.window)
+        mask = mask[None]
+        if self.doc_ids is not None:
+            ids = self.doc_ids
+            mask = mask & (
+                ids[:, self.columns[self.rank], None] == ids[:, None, self.columns[source]]
+            )
+        return mask
+
+    def scores(self, q5: torch.Tensor, keys: torch.Tensor, step: int, scale: float) -> torch.Tensor:
+        """Masked scores [b, h_kv, g, s_q, s_k] (fp32) of the block held at ``step``: the one
+        that started on rank ``rank - step``."""
+        scores = torch.einsum("bqhgd,bkhd->bhgqk", q5, keys.float()) * scale
+        mask = self.visible((self.rank - step) % self.size)
+        return scores.masked_fill(~mask[:, None, None], float("-inf"))
+
+    def shift(self, tensors: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """Post sends of ``tensors`` to the next rank and receives of the previous rank's (same
+        shapes); the returned function waits and gives what arrived."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.previous, self.group) for t in received]
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> list[torch.Tensor]:
+            for work in works:
+                work.wait()
+            return received
+
+        return wait
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, s, h, d] -> [b, s, h_kv, h / h_kv, d]: query head i reads key/value head i // g."""
+    b, s, h, d = q.shape
+    return q.view(b, s, kv_heads, h // kv_heads, d)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a row that sees no key of a block) as 0, so exp(-inf - it) is 0."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _per_query(x: torch.Tensor) -> torch.Tensor:
+    """[b, h_kv, g, s] -> [b, s, h_kv, g, 1], to scale outputs row by row."""
+    return x.permute(0, 3, 1, 2)[..., None]
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax-normalized partial results over disjoint keys -> the result over both."""
+    total = torch.logaddexp(lse, block_lse)
+    finite = _finite(total)
+    merged = out * _per_query(torch.exp(lse - finite)) + block_out * _per_query(
+        torch.exp(block_lse - finite)
+    )
+    return merged, total

@@ -1,0 +1,117 @@
+"""Context parallelism (CP): each CP rank holds part of every sequence, and attention passes
+keys and values around the ranks (``temper.kernels.ring_attention``) instead of splitting
+heads as Ulysses does, so its degree is not capped by the model's key/value heads.
+
+The layout is load-balanced: a sequence right-padded to a multiple of ``2 * cp`` is cut into
+``2 * cp`` chunks and rank r holds chunks r and ``2cp - 1 - r`` (``load_balanced_indices``),
+so under causal masking every rank has the same attention work. Positions stay global (RoPE
+and the document mask read them); padding follows Ulysses' convention (label -100, position
+``PAD_POSITION``: each pad its own document), and the padding is always the end of a rank's
+local tokens, so ``SequenceShard.valid_len`` keeps it out of MoE routing statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from temper.data.batch import (
+    DOCUMENT_POSITIONS,
+    IGNORE_INDEX,
+    SEQUENCE_SHARD,
+    Batch,
+    SequenceShard,
+    pad_tokens,
+)
+from temper.kernels.ring_attention import load_balanced_indices
+from temper.parallel.ulysses import PAD_POSITION, PREFERENCE_SIDES, VISION_FIELDS
+
+
+def shard_batch(
+    batch: Batch, rank: int, size: int, group: dist.ProcessGroup | None = None
+) -> Batch:
+    """CP rank ``rank``'s tokens (of ``size``, the CP ``group``) of a [b, s] batch, right-padded
+    to a multiple of ``2 * size``, in the load-balanced layout. A preference batch
+    (``chosen_*`` and ``rejected_*`` fields) has each side sharded so.
+
+    Every [b, s] field is taken at the rank's columns (``input_ids`` and others zero-padded,
+    ``labels`` with -100, ``position_ids`` with ``PAD_POSITION``; rows without positions get
+    0..s-1), [b] fields are kept whole. For packed rows ``DOCUMENT_POSITIONS`` holds the whole
+    padded sequence's positions, from which the document mask of the whole sequence is built
+    (ring attention reads it by global column); continuous rows need none (causal order by
+    global column hides the trailing padding). ``SEQUENCE_SHARD`` holds the padded length and
+    how many of the rank's tokens are real.
+    """
+    if "input_ids" not in batch:
+        return {
+            side + key: value
+            for side in PREFERENCE_SIDES
+            for key, value in shard_batch(
+                {k.removeprefix(side): v for k, v in batch.items() if k.startswith(side)},
+                rank,
+                size,
+                group,
+            ).items()
+        }
+    if any(key in batch for key in VISION_FIELDS):
+        raise ValueError(
+            "parallelism.cp: context parallelism does not take image batches yet; use "
+            "parallelism.sp for vision-language models"
+        )
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    b, s = input_ids.shape
+    packed = batch.get("position_ids")
+    positions = packed
+    if positions is None:
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+    pad = -s % (2 * size)
+    padded = {
+        "input_ids": F.pad(input_ids, (0, pad), value=0),
+        "labels": F.pad(labels, (0, pad), value=IGNORE_INDEX),
+        "position_ids": F.pad(positions, (0, pad), value=PAD_POSITION),
+    }
+    for key, t in batch.items():
+        if key not in padded:
+            padded[key] = pad_tokens(t, pad) if t.shape[:2] == (b, s) else t
+    columns = load_balanced_indices(s + pad, rank, size)
+    # Padding is a suffix of the sequence and the rank's second chunk comes later than its
+    # first, so the rank's real tokens come first in its local order.
+    valid = int((columns < s).sum())
+    columns = columns.to(input_ids.device)
+    shard = {key: t[:, columns] if t.shape[:2] == (b, s + pad) else t for key, t in padded.items()}
+    shard[DOCUMENT_POSITIONS] = padded["position_ids"] if packed is not None else positions[:0]
+    shard[SEQUENCE_SHARD] = SequenceShard(s + pad, valid, group=group)
+    return shard
+
+
+def unshard(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The whole sequences [b, s, ...] from every CP rank's tokens [b, s / cp, ...] (by rank):
+    the inverse of the layout."""
+    size = len(parts)
+    whole = torch.cat(parts, dim=1)
+    order = torch.cat(
+        [load_balanced_indices(whole.shape[1], r, size, whole.device) for r in range(size)]
+    )
+    return whole[:, order.argsort()]
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every CP rank's ``x`` [b, s / cp, ...] gathered into whole sequences, in global order
+    (not differentiable: for outputs read after the step, such as logits under test)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unshard(parts)
+
+
+class ContextParallel:
+    """One CP group: shards batches for its ranks (``shard``)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def shard(self, batch: Batch) -> Batch:
+        """This rank's tokens of ``batch`` (see ``shard_batch``)."""
+        return shard_batch(batch, self.rank, self.size, self.group)
