@@ -1,13 +1,17 @@
 """The routers of the MoE layer (``temper.models.layers.moe.MoE``): each maps tokens to
 router probabilities over the experts, the top-k experts each token goes to and their weights.
 
-Qwen3-MoE's softmax top-k (``TopKRouter``), and DeepSeek V3's sigmoid, group-limited top-k with
-an auxiliary-loss-free balancing bias (``GroupLimitedRouter``, ``update_expert_bias``).
+Qwen3-MoE's softmax top-k (``TopKRouter``); DeepSeek V3's sigmoid, group-limited top-k with
+an auxiliary-loss-free balancing bias (``GroupLimitedRouter``, ``update_expert_bias``), which
+DeepSeek V4 runs with one group and ``sqrtsoftplus`` scores; and V4's ``HashRouter``, whose
+experts are a fixed function of the token id.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -16,6 +20,20 @@ from torch import nn
 
 from temper.models.layers.experts import tokens_per_expert
 from temper.models.layers.init import init_linear
+
+Scoring = Literal["sigmoid", "sqrtsoftplus"]
+
+
+def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt(softplus(x))``: DeepSeek V4's expert affinities, positive and growing like
+    ``sqrt(x)`` rather than saturating as the sigmoid does."""
+    return F.softplus(x).sqrt()
+
+
+SCORES: dict[Scoring, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": sqrtsoftplus,
+}
 
 
 @dataclass(frozen=True)
@@ -28,6 +46,8 @@ class GroupLimitedRouting:
     """Each token picks its experts from this many groups only."""
     scaling_factor: float
     """Multiplies the routed experts' weights (HF's ``routed_scaling_factor``)."""
+    scoring: Scoring = "sigmoid"
+    """The affinity of a token to an expert from its router logit (HF's ``scoring_func``)."""
 
 
 class TopKRouter(nn.Module):
@@ -61,10 +81,11 @@ class TopKRouter(nn.Module):
 
 
 class GroupLimitedRouter(nn.Module):
-    """DeepSeek V3's router, as transformers computes it: sigmoid affinities in fp32; a token
-    keeps the ``topk_group`` groups whose two best biased affinities sum highest and takes its
-    top k experts there by biased affinity; their unbiased affinities are the weights
-    (renormalized with ``norm_topk_prob``), times ``scaling_factor``.
+    """DeepSeek V3's router, as transformers computes it: sigmoid affinities in fp32 (V4's
+    ``sqrtsoftplus`` with ``scoring``); a token keeps the ``topk_group`` groups whose two best
+    biased affinities sum highest and takes its top k experts there by biased affinity; their
+    unbiased affinities are the weights (renormalized with ``norm_topk_prob``), times
+    ``scaling_factor``.
 
     ``expert_bias`` (HF's ``e_score_correction_bias``) is the auxiliary-loss-free balancing
     term: it steers the choice and never the weights, so it needs no gradient, and
@@ -80,6 +101,7 @@ class GroupLimitedRouter(nn.Module):
         self.n_groups = r.n_groups
         self.topk_group = r.topk_group
         self.scaling_factor = r.scaling_factor
+        self.score = SCORES[r.scoring]
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(n_experts))
         # Not checkpointed: update_expert_bias empties it at every optimizer step.
@@ -103,13 +125,10 @@ class GroupLimitedRouter(nn.Module):
         counts them once), which scales all of that layer's counts alike and so leaves the
         sign of each bias update unchanged.
         """
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        scores = self.score(F.linear(x.float(), self.gate.weight.float()))
         if experts is None:
             experts = self._choose(scores)
-        weights = scores.gather(1, experts)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * self.scaling_factor
+        weights = chosen_weights(scores, experts, self.norm_topk_prob, self.scaling_factor)
         if self.training and torch.is_grad_enabled():
             self.load += tokens_per_expert(experts, self.load.numel())
         probs = scores / scores.sum(dim=-1, keepdim=True)
@@ -124,6 +143,66 @@ class GroupLimitedRouter(nn.Module):
         kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
         biased = biased.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(n, -1)
         return biased.topk(self.top_k, dim=-1).indices
+
+
+def chosen_weights(
+    scores: torch.Tensor, experts: torch.Tensor, normalize: bool, scaling_factor: float
+) -> torch.Tensor:
+    """The affinities ``scores`` [n, E] of the chosen ``experts`` [n, k], rescaled to sum to 1
+    with ``normalize``, times ``scaling_factor``."""
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor
+
+
+class HashRouter(nn.Module):
+    """DeepSeek V4's hash routing: token id t goes to the experts ``tid2eid[t]`` [top_k], a
+    fixed table (loaded from the checkpoint, random distinct experts at init), weighted by its
+    learned affinities to them as ``GroupLimitedRouter`` weighs its choice (normalized, times
+    ``scaling_factor``). The gate trains; the choice does not.
+
+    The token ids of the current forward are ``token_ids`` [b, s], set by the model before its
+    layers run (the MoE layer sees hidden states only).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        vocab_size: int,
+        scaling_factor: float,
+        scoring: Scoring = "sqrtsoftplus",
+    ) -> None:
+        super().__init__()
+        self.scaling_factor = scaling_factor
+        self.score = SCORES[scoring]
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.int64))
+        self.token_ids: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        init_linear(self.gate, std)
+        vocab_size, top_k = self.tid2eid.shape
+        noise = torch.rand(vocab_size, self.gate.out_features, device=self.tid2eid.device)
+        self.tid2eid.copy_(noise.argsort(dim=-1)[:, :top_k])
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, dim] -> probabilities [n, E] (fp32 affinities normalized over experts),
+        weights [n, k] (x's dtype), experts [n, k]; ``experts`` (router replay) replaces the
+        table's choice."""
+        scores = self.score(F.linear(x.float(), self.gate.weight.float()))
+        if experts is None:
+            if self.token_ids is None or self.token_ids.numel() != x.shape[0]:
+                raise RuntimeError("HashRouter.token_ids must hold the forward's token ids")
+            experts = self.tid2eid[self.token_ids.flatten()]
+        weights = chosen_weights(scores, experts, True, self.scaling_factor)
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+        return probs, weights.to(x.dtype), experts
 
 
 @torch.no_grad()
