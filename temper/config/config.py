@@ -434,6 +434,9 @@ class Parallelism:
     """FSDP shard degree; -1 = the rest of the world size."""
     sp: int = 1
     """Ulysses sequence-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over this many ranks in a load-balanced
+    layout, attention as ring attention (docs/parallelism.md)."""
     ep: int = 1
     """Expert-parallel degree."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"

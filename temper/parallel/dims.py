@@ -1,7 +1,8 @@
 """Parallel degrees from `--parallelism.*`, checked against the world, and the meshes they name.
 
-Ranks are laid out row-major over ``(dp_replicate, dp_shard, sp)``: the ranks of one
-SP group are neighbours, then the shards of one replica, then the replicas. Every mesh
+Ranks are laid out row-major over ``(dp_replicate, dp_shard, cp, sp)``: the ranks of one
+SP group are neighbours, then the CP ranks holding the other parts of the same sequences,
+then the shards of one replica, then the replicas. Every mesh
 below is a view of that one layout, so a rank's coordinates agree across meshes.
 """
 
@@ -22,6 +23,7 @@ class ParallelDims:
 
     dp_replicate: int
     dp_shard: int
+    cp: int
     sp: int
     ep: int
     world_size: int
@@ -34,31 +36,33 @@ class ParallelDims:
         Runs before any model or process group exists; errors name fields and numbers.
         """
         p = parallelism
-        for name in ("dp_replicate", "sp", "ep"):
+        for name in ("dp_replicate", "cp", "sp", "ep"):
             if getattr(p, name) < 1:
                 raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(p, name)}")
         if p.dp_shard == 0 or p.dp_shard < -1:
             raise ConfigError(f"parallelism.dp_shard must be -1 or >= 1, got {p.dp_shard}")
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {world_size}")
-        if world_size % (p.dp_replicate * p.sp):
+        if world_size % (p.dp_replicate * p.cp * p.sp):
             raise ConfigError(
                 f"world size {world_size} is not divisible by parallelism.dp_replicate x "
-                f"parallelism.sp ({p.dp_replicate} x {p.sp})"
+                f"parallelism.cp x parallelism.sp ({p.dp_replicate} x {p.cp} x {p.sp})"
             )
-        dp_shard = world_size // (p.dp_replicate * p.sp) if p.dp_shard == -1 else p.dp_shard
-        if p.dp_replicate * dp_shard * p.sp != world_size:
+        rest = world_size // (p.dp_replicate * p.cp * p.sp)
+        dp_shard = rest if p.dp_shard == -1 else p.dp_shard
+        if p.dp_replicate * dp_shard * p.cp * p.sp != world_size:
             raise ConfigError(
-                f"parallelism.dp_replicate x dp_shard x sp = {p.dp_replicate} x {dp_shard} x "
-                f"{p.sp} does not equal the world size {world_size}"
+                f"parallelism.dp_replicate x dp_shard x cp x sp = {p.dp_replicate} x "
+                f"{dp_shard} x {p.cp} x {p.sp} does not equal the world size {world_size}"
             )
-        if (dp_shard * p.sp) % p.ep:
+        fsdp = dp_shard * p.cp * p.sp
+        if fsdp % p.ep:
             raise ConfigError(
-                f"parallelism.ep ({p.ep}) must divide parallelism.dp_shard x sp "
-                f"({dp_shard} x {p.sp} = {dp_shard * p.sp}): experts are split within one "
+                f"parallelism.ep ({p.ep}) must divide parallelism.dp_shard x cp x sp "
+                f"({dp_shard} x {p.cp} x {p.sp} = {fsdp}): experts are split within one "
                 "FSDP group"
             )
-        return cls(p.dp_replicate, dp_shard, p.sp, p.ep, world_size, rank)
+        return cls(p.dp_replicate, dp_shard, p.cp, p.sp, p.ep, world_size, rank)
 
     @property
     def dp(self) -> int:
@@ -67,9 +71,9 @@ class ParallelDims:
 
     @property
     def fsdp(self) -> int:
-        """Ranks one parameter is sharded over: SP ranks hold different tokens, so they shard
-        (and sum gradients) like data-parallel ranks."""
-        return self.dp_shard * self.sp
+        """Ranks one parameter is sharded over: CP and SP ranks hold different tokens, so they
+        shard (and sum gradients) like data-parallel ranks."""
+        return self.dp_shard * self.cp * self.sp
 
     @property
     def efsdp(self) -> int:
@@ -93,15 +97,16 @@ class ParallelDims:
         return self.data_rank(self.rank)
 
     def data_rank(self, rank: int) -> int:
-        """This rank's index among the `dp` data shards; the ranks of one SP group share it."""
-        return rank // self.sp
+        """This rank's index among the `dp` data shards; the ranks of one CP x SP group
+        share it."""
+        return rank // (self.cp * self.sp)
 
     def build_meshes(self, device_type: str) -> Meshes:
         """The named meshes (collective: every rank calls this in the same order)."""
         world = init_device_mesh(
             device_type,
-            (self.dp_replicate, self.dp_shard, self.sp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "sp"),
+            (self.dp_replicate, self.dp_shard, self.cp, self.sp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "sp"),
         )
         fsdp = init_device_mesh(
             device_type, (self.dp_replicate, self.fsdp), mesh_dim_names=("dp_replicate", "fsdp")
@@ -124,11 +129,11 @@ class Meshes:
     """Device meshes over one rank layout; see the module docstring."""
 
     world: DeviceMesh
-    """``(dp_replicate, dp_shard, sp)``: data shards are its first two dims, ``world["sp"]``
-    is the sequence-parallel group."""
+    """``(dp_replicate, dp_shard, cp, sp)``: data shards are its first two dims, ``world["cp"]``
+    the context-parallel group, ``world["sp"]`` the sequence-parallel one."""
     hsdp: DeviceMesh
-    """``(dp_replicate, fsdp)`` with ``fsdp = dp_shard x sp``: HSDP replicates over the first
-    dim and shards over the second."""
+    """``(dp_replicate, fsdp)`` with ``fsdp = dp_shard x cp x sp``: HSDP replicates over the
+    first dim and shards over the second."""
     expert: DeviceMesh | None
     """``(edp, efsdp, ep)`` for expert weights when ``ep > 1``: ``edp = dp_replicate`` and
     ``efsdp x ep`` is the FSDP group."""
@@ -148,4 +153,10 @@ def check_parallelism(config: Config, world_size: int) -> None:
         raise ConfigError(
             f"training.global_batch_size ({global_}) must be -1 or a positive multiple of "
             f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
+        )
+    if config.parallelism.cp > 1:
+        raise ConfigError(
+            f"parallelism.cp ({config.parallelism.cp}): context parallelism's layout and ring "
+            "attention exist (temper.parallel.context_parallel) but are not wired into "
+            "training yet; use parallelism.sp"
         )

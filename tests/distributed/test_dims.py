@@ -30,18 +30,24 @@ def test_dp_shard_takes_the_rest_of_the_world() -> None:
     assert (d.dp_replicate, d.dp_shard, d.sp, d.ep) == (2, 2, 2, 2)
     assert (d.dp, d.fsdp, d.efsdp) == (4, 4, 2)
     assert dims(1).sharded is False and dims(2).sharded is True
+    d = dims(8, cp=2, sp=2)
+    assert (d.dp_shard, d.dp, d.fsdp) == (2, 2, 8)
+    assert [d.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize(
     ("world", "degrees", "message"),
     [
-        (8, {"dp_replicate": 3}, r"world size 8 is not divisible by .* \(3 x 1\)"),
-        (4, {"dp_shard": 3}, "dp_replicate x dp_shard x sp = 1 x 3 x 1 does not equal .* 4"),
-        (4, {"dp_shard": 2}, "1 x 2 x 1 does not equal the world size 4"),
-        (4, {"ep": 3}, r"parallelism.ep \(3\) must divide .* \(4 x 1 = 4\)"),
-        (8, {"dp_replicate": 2, "ep": 8}, r"parallelism.ep \(8\) must divide .* \(4 x 1 = 4\)"),
+        (8, {"dp_replicate": 3}, r"world size 8 is not divisible by .* \(3 x 1 x 1\)"),
+        (4, {"dp_shard": 3}, "dp_shard x cp x sp = 1 x 3 x 1 x 1 does not equal .* 4"),
+        (4, {"dp_shard": 2}, "1 x 2 x 1 x 1 does not equal the world size 4"),
+        (4, {"ep": 3}, r"parallelism.ep \(3\) must divide .* \(4 x 1 x 1 = 4\)"),
+        (8, {"dp_replicate": 2, "ep": 8}, r"parallelism.ep \(8\) must divide .* \(4 x 1 x 1 = 4\)"),
         (4, {"dp_shard": -2}, "parallelism.dp_shard must be -1 or >= 1, got -2"),
         (4, {"sp": 0}, "parallelism.sp must be >= 1, got 0"),
+        (4, {"cp": 0}, "parallelism.cp must be >= 1, got 0"),
+        (8, {"cp": 3}, r"world size 8 is not divisible by .*parallelism.cp .* \(1 x 3 x 1\)"),
+        (4, {"cp": 2, "ep": 8}, r"parallelism.ep \(8\) must divide .* \(2 x 2 x 1 = 4\)"),
         (0, {}, "world size must be >= 1, got 0"),
     ],
 )
@@ -57,7 +63,7 @@ def test_trainer_refuses_a_layout_before_building_anything(tmp_path: Path) -> No
     config.job.dump_folder = str(tmp_path / "run")
     config.parallelism.dp_shard = 3
     runtime = Runtime(device=torch.device("cpu"), rank=0, local_rank=0, world_size=4)
-    with pytest.raises(ConfigError, match="1 x 3 x 1 does not equal the world size 4"):
+    with pytest.raises(ConfigError, match="1 x 3 x 1 x 1 does not equal the world size 4"):
         Trainer(config, runtime=runtime)
     assert not (tmp_path / "run").exists()
 
@@ -72,7 +78,7 @@ def test_run_train_preflight_names_the_layout_before_any_rank_starts(tmp_path: P
         timeout=120,
     )
     assert result.returncode != 0
-    assert "1 x 3 x 1 does not equal the world size 2" in result.stderr
+    assert "1 x 3 x 1 x 1 does not equal the world size 2" in result.stderr
     assert "torch.distributed.run" not in result.stderr and not (tmp_path / "outputs").exists()
 
 
@@ -105,6 +111,7 @@ def _mesh_groups(layouts: list[dict[str, int]]) -> list[dict[str, object]]:
         meshes = d.build_meshes("cpu")
         groups = {
             "sp": ranks(meshes.world["sp"]),
+            "cp": ranks(meshes.world["cp"]),
             "dp_shard": ranks(meshes.world["dp_shard"]),
             "replicate": ranks(meshes.hsdp["dp_replicate"]),
             "fsdp": ranks(meshes.hsdp["fsdp"]),
@@ -123,9 +130,11 @@ def _mesh_groups(layouts: list[dict[str, int]]) -> list[dict[str, object]]:
 
 @pytest.mark.slow
 def test_meshes_group_the_ranks_of_each_dimension() -> None:
-    """World 4 as 2 shards x 2 SP ranks with ep 2, then as 2 replicas x 2 shards (HSDP)."""
-    by_rank = run_on_ranks(_mesh_groups, 4, [{"sp": 2, "ep": 2}, {"dp_replicate": 2}])
-    sp, hsdp = zip(*by_rank, strict=True)
+    """World 4 as 2 shards x 2 SP ranks with ep 2, then as 2 replicas x 2 shards (HSDP), then
+    as 2 CP x 2 SP ranks (one data shard)."""
+    layouts = [{"sp": 2, "ep": 2}, {"dp_replicate": 2}, {"cp": 2, "sp": 2}]
+    by_rank = run_on_ranks(_mesh_groups, 4, layouts)
+    sp, hsdp, cp = zip(*by_rank, strict=True)
     assert [g["sp"] for g in sp] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [g["dp_shard"] for g in sp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [g["data_rank"] for g in sp] == [0, 0, 1, 1]
@@ -139,6 +148,10 @@ def test_meshes_group_the_ranks_of_each_dimension() -> None:
     assert all(g["fsdp_mesh_dims"] == ("dp_replicate", "fsdp") for g in hsdp)
     assert [g["data_rank"] for g in hsdp] == [0, 1, 2, 3]
     assert all("ep" not in g for g in hsdp)
+
+    assert [g["sp"] for g in cp] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["cp"] for g in cp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(g["fsdp"] == [0, 1, 2, 3] and g["data_rank"] == 0 for g in cp)
 
 
 def _expert_init_draw(seed: int) -> tuple[torch.Tensor, list[str]]:

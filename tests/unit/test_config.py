@@ -155,7 +155,7 @@ def test_help_groups_fields_with_types_and_defaults(capsys) -> None:
         ("model.flavor", "9b", "model.flavor '9b' is not a flavor of llama3; choose one of"),
         ("model.name", "gpt2", "model.name 'gpt2' is not a registered model"),
         ("parallelism.dp_shard", 0, "parallelism.dp_shard must be -1 or >= 1"),
-        ("parallelism.dp_replicate", 3, r"world size 1 is not divisible .* \(3 x 1\)"),
+        ("parallelism.dp_replicate", 3, r"world size 1 is not divisible .* \(3 x 1 x 1\)"),
         ("parallelism.dp_replicate", 0, "parallelism.dp_replicate must be >= 1, got 0"),
     ],
 )
@@ -209,7 +209,7 @@ def test_sp_and_ep_are_not_data_parallel() -> None:
     config.parallelism.ep = 4
     assert ParallelDims.from_config(config.parallelism, 8).dp == 4
     config.parallelism.dp_shard = 3
-    with pytest.raises(ConfigError, match="1 x 3 x 2 does not equal the world size 8"):
+    with pytest.raises(ConfigError, match="1 x 3 x 1 x 2 does not equal the world size 8"):
         ParallelDims.from_config(config.parallelism, 8)
 
 
@@ -240,7 +240,7 @@ def test_ep_checks_experts_and_the_fsdp_group() -> None:
     with pytest.raises(ConfigError, match=r"parallelism.ep \(3\) must divide the number of exp"):
         config.validate(world_size=3)
     config.parallelism.ep = 4
-    with pytest.raises(ConfigError, match=r"parallelism.ep \(4\) must divide .*\(2 x 1 = 2\)"):
+    with pytest.raises(ConfigError, match=r"parallelism.ep \(4\) must divide .*\(2 x 1 x 1 = 2\)"):
         config.validate(world_size=2)
     config.parallelism.ep = 2
     config.compile.enable = True
