@@ -54,7 +54,7 @@ class CausalLMConfig(ObjectiveConfig):
             raise ConfigError(f"objective.z_loss_weight must be >= 0, got {self.z_loss_weight}")
 
     def build(self, config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
-        return CausalLM(self.z_loss_weight)
+        return CausalLM(self)
 
 
 class CausalLM:
@@ -71,14 +71,15 @@ class CausalLM:
     kl`` per valid token and logs ``indexer_kl``.
     """
 
-    def __init__(self, z_loss_weight: float = 0.0) -> None:
-        self.z_loss_weight = z_loss_weight
+    def __init__(self, settings: CausalLMConfig | None = None) -> None:
+        """``settings`` None: the defaults (no z-loss)."""
+        self.settings = settings or CausalLMConfig()
 
     def count(self, batch: Batch) -> torch.Tensor:
         return count_tokens(batch)
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
-        labels = batch["labels"]
+        labels, z_weight = batch["labels"], self.settings.z_loss_weight
         args = (batch["input_ids"], batch.get("position_ids"), documents(batch))
         shard = batch.get(SEQUENCE_SHARD)
         media = model_inputs(batch)  # a vision-language batch's images and positions
@@ -89,16 +90,16 @@ class CausalLM:
                 hidden,
                 model.output.weight,
                 labels,
-                self.z_loss_weight,
+                z_weight,
                 kernels.chunk_tokens(hidden.device),
             )
         else:
             log_probs, lse = log_probs_from_logits(model(*args, shard=shard, **media), labels)
             z_sum = lse[labels != IGNORE_INDEX].pow(2).sum()
-            loss_sum = -log_probs.sum() + self.z_loss_weight * z_sum
+            loss_sum = -log_probs.sum() + z_weight * z_sum
         n_tokens = count_tokens(batch)
         metrics: Metrics = {}
-        if self.z_loss_weight:
+        if z_weight:
             metrics["z_loss"] = (z_sum / n_tokens.clamp(min=1)).detach()
         if isinstance(model, RoutedModel):
             aux = model.aux_loss()

@@ -93,14 +93,7 @@ class DPOConfig(ObjectiveConfig):
         references = {}
         if self.loss_type not in REFERENCE_FREE:
             references = reference_policy(config, build_reference)
-        return DPO(
-            beta=self.beta,
-            label_smoothing=self.label_smoothing,
-            loss_type=self.loss_type,
-            simpo_gamma=self.simpo_gamma,
-            rpo_alpha=self.rpo_alpha,
-            **references,
-        )
+        return DPO(self, **references)
 
 
 def sequence_log_probs(
@@ -181,24 +174,16 @@ class DPO:
 
     def __init__(
         self,
+        settings: DPOConfig,
         *,
-        beta: float,
-        label_smoothing: float = 0.0,
-        loss_type: LossType = "sigmoid",
-        simpo_gamma: float = 0.5,
-        rpo_alpha: float = 1.0,
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
     ) -> None:
-        needed = 0 if loss_type in REFERENCE_FREE else 1
+        needed = 0 if settings.loss_type in REFERENCE_FREE else 1
         if (reference is not None) + (reference_mode is not None) != needed:
             wanted = "exactly one of a reference model or a reference mode" if needed else "none"
-            raise ValueError(f"loss_type {loss_type!r} takes {wanted}")
-        self.beta = beta
-        self.label_smoothing = label_smoothing
-        self.loss_type = loss_type
-        self.simpo_gamma = simpo_gamma
-        self.rpo_alpha = rpo_alpha
+            raise ValueError(f"loss_type {settings.loss_type!r} takes {wanted}")
+        self.settings = settings
         self.reference = reference
         self.reference_mode = reference_mode
 
@@ -207,7 +192,7 @@ class DPO:
         return torch.tensor(batch["chosen_input_ids"].shape[0])
 
     def _reference_log_probs(self, model: nn.Module, rows: Rows) -> torch.Tensor | None:
-        if self.loss_type in REFERENCE_FREE:
+        if self.settings.loss_type in REFERENCE_FREE:
             return None
         with torch.no_grad():
             if self.reference is not None:
@@ -228,18 +213,19 @@ class DPO:
         policy = sequence_log_probs(model, *rows)
         ref = self._reference_log_probs(model, rows)
         tokens = answer_tokens(labels, shard)
+        settings = self.settings
         losses = preference_loss(
             policy,
             ref,
             tokens,
-            beta=self.beta,
-            loss_type=self.loss_type,
-            label_smoothing=self.label_smoothing,
-            simpo_gamma=self.simpo_gamma,
-            rpo_alpha=self.rpo_alpha,
+            beta=settings.beta,
+            loss_type=settings.loss_type,
+            label_smoothing=settings.label_smoothing,
+            simpo_gamma=settings.simpo_gamma,
+            rpo_alpha=settings.rpo_alpha,
         )
         implicit = policy / tokens.clamp(min=1) if ref is None else policy - ref
-        rewards = self.beta * implicit.detach()
+        rewards = settings.beta * implicit.detach()
         chosen, rejected = rewards[:n], rewards[n:]
         metrics = {
             "rewards_chosen": chosen.mean(),

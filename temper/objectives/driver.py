@@ -181,15 +181,16 @@ class RolloutDriver:
         """One micro-batch's rollout; with dynamic sampling, refilled from further prompt
         micro-batches (see ``temper.objectives.dynamic_sampling``)."""
         objective, model, engine = self.objective, self.engine.model, self._engine_arg()
-        if not isinstance(objective, DynamicSampling) or objective.sampling_draws == 1:
+        settings = objective.settings if isinstance(objective, DynamicSampling) else None
+        if settings is None or settings.sampling_draws == 1:
             return objective.prepare(model, prompts, self._generator(step, index), engine)
         return fill_rollout(
             lambda mb, generator: objective.prepare(model, mb, generator, engine),
             prompts,
             lambda: self._whole_prompts(batches),
             lambda draw: self._generator(step, index, draw),
-            objective.group_size,
-            objective.sampling_draws,
+            settings.group_size,
+            settings.sampling_draws,
         )
 
     def _engine_arg(self) -> RolloutEngine | None:

@@ -23,17 +23,18 @@ import torch
 import torch.distributed as dist
 
 from temper.data.batch import IGNORE_INDEX, Batch, pad_tokens
+from temper.objectives.rollout import RolloutSettings
 
 Rollout = tuple[Batch, dict[str, float]]
 
 
 @runtime_checkable
 class DynamicSampling(Protocol):
-    """A rollout objective that can refill its batch: ``sampling_draws`` prompt micro-batches
-    at most per rollout micro-batch (1 = off), groups of ``group_size`` rows."""
+    """A rollout objective that can refill its batch: its ``settings``' ``sampling_draws``
+    prompt micro-batches at most per rollout micro-batch (1 = off), groups of ``group_size``
+    rows."""
 
-    sampling_draws: int
-    group_size: int
+    settings: RolloutSettings
 
 
 def fill_rollout(

@@ -28,9 +28,9 @@ rollout's tokens routes them to the experts that sampled them
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -44,8 +44,6 @@ from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
 from temper.generation import gathered_weights
 from temper.generation.engines import RolloutEngine
-from temper.generation.sampling import check_sampling
-from temper.models.fit import model_args
 from temper.models.layers.route_replay import ROUTES, replaying_routes
 from temper.objectives.causal_lm import documents, label_log_probs
 from temper.objectives.policy_loss import (
@@ -62,8 +60,13 @@ from temper.objectives.registry import (
     reference_policy,
     register_objective,
 )
-from temper.objectives.rewards import Reward, exact_match, get_reward, reward_names
-from temper.objectives.rollout import COMPLETION_LENGTHS, Rollout, RolloutSampler, Sampled
+from temper.objectives.rollout import (
+    COMPLETION_LENGTHS,
+    Rollout,
+    RolloutSampler,
+    RolloutSettings,
+    Sampled,
+)
 from temper.parallel.ulysses import whole_sequences
 
 KLEstimator = Literal["k3", "weighted_k3"]
@@ -77,25 +80,12 @@ def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
 
 @register_objective
 @dataclass
-class GRPOConfig(ObjectiveConfig):
-    """``--objective.*`` of GRPO: rollouts sampled from prompts, rewarded, trained on."""
+class GRPOConfig(RolloutSettings, ObjectiveConfig):
+    """``--objective.*`` of GRPO: rollouts sampled from prompts (the fields of
+    ``RolloutSettings``), rewarded, trained on (the loss's fields below)."""
 
     name: str = "grpo"
     """Training objective, as registered with `temper.objectives.register_objective`."""
-    group_size: int = 8
-    """Completions sampled per prompt; advantages are normalized within the group."""
-    max_new_tokens: int = 32
-    """The longest completion; prompts get training.seq_len minus this."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts (0 is greedy)."""
-    top_k: int | None = None
-    """Sample among the k most likely tokens; None = all."""
-    top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 = off."""
-    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
-    """Reward functions registered with `temper.objectives.register_reward`, summed."""
-    reward_weights: list[float] = field(default_factory=list)
-    """One weight per reward; empty = all 1."""
     clip_eps: float = 0.2
     """The importance ratio is clipped to [1 - clip_eps, 1 + clip_high] (PPO)."""
     clip_high: float | None = None
@@ -116,22 +106,6 @@ class GRPOConfig(ObjectiveConfig):
     """Token-level masking of the sampler-trainer gap: tokens whose exp(old - sampler) leaves
     [low, high] get no loss (their sampler drew them from a distribution the trainer does not
     hold); None = off. Composes with tis_cap; e.g. 0.5 2.0 with --rollout.engine vllm."""
-    overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: completions longer than max_new_tokens minus this
-    lose up to overlong_penalty reward, linearly; 0 = off."""
-    overlong_penalty: float = 1.0
-    """The reward lost by a completion of max_new_tokens tokens (with overlong_buffer)."""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop groups whose rewards all agree and refill the batch
-    with more prompts' rollouts."""
-    dynamic_sampling_draws: int = 4
-    """The most prompt micro-batches one rollout micro-batch samples to fill itself (with
-    dynamic_sampling); a batch still short after them keeps what it found."""
-    compile_rollouts: bool = False
-    """Decode rollouts with the compiled static-cache step (`generate(compile=True)`); the
-    first rollout then compiles it. See docs/generation.md."""
-    accuracy_reward: str = "exact_match"
-    """The registered reward reported as the rollout's `accuracy` metric (1 = right)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the reference model; 0 builds no reference."""
     kl_estimator: KLEstimator = "k3"
@@ -139,50 +113,14 @@ class GRPOConfig(ObjectiveConfig):
     estimate off-policy; TRL's use_bias_correction_kl)."""
     updates_per_rollout: int = 1
     """Optimizer steps taken on each rollout batch (the first one is on-policy)."""
-    router_replay: bool = False
-    """MoE only: record the experts each sampled token was routed to and route it so in the
-    old log-probs' and every training forward of that rollout (R3); see
-    docs/post-training.md."""
 
     data_formats: ClassVar[tuple[str, ...]] = ("prompt",)
 
     def validate(self, config: Config) -> None:
-        """Rollouts fit the rows, groups can differ, every reward exists."""
-        if self.group_size < 2:
-            raise ConfigError(
-                "objective.group_size must be >= 2 (advantages compare a prompt's "
-                f"completions), got {self.group_size}"
-            )
-        check_positive(config, "objective.max_new_tokens", "objective.updates_per_rollout")
-        if self.max_new_tokens >= config.training.seq_len:
-            raise ConfigError(
-                f"objective.max_new_tokens ({self.max_new_tokens}) must be below "
-                f"training.seq_len ({config.training.seq_len}): the prompt needs room"
-            )
-        try:  # the sampler's own rules; its messages start with the argument's name
-            check_sampling(self.temperature, self.top_k, self.top_p)
-        except ValueError as error:
-            raise ConfigError(f"objective.{error}") from None
+        """The rollout's rules (``RolloutSettings.check``), then the loss's."""
+        self.check(config)
+        check_positive(config, "objective.updates_per_rollout")
         check_range(config, "objective.clip_eps", 0.0, 1.0, right_open=True)
-        self._validate_variants(config)
-        if self.kl_coef < 0:
-            raise ConfigError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
-        if not self.rewards:
-            raise ConfigError("objective.rewards must name at least one reward")
-        unknown = [r for r in self.rewards if r not in reward_names()]
-        if unknown:
-            raise ConfigError(
-                f"objective.rewards: {', '.join(map(repr, unknown))} not registered; choose "
-                f"from {', '.join(reward_names())} or register one with @register_reward"
-            )
-        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
-            raise ConfigError(
-                f"objective.reward_weights has {len(self.reward_weights)} values for "
-                f"{len(self.rewards)} objective.rewards"
-            )
-
-    def _validate_variants(self, config: Config) -> None:
-        """The loss variants' own settings (see temper/objectives/policy_loss.py)."""
         if self.clip_high is not None and self.clip_high < 0:
             raise ConfigError(f"objective.clip_high must be >= 0, got {self.clip_high}")
         if self.tis_cap is not None and self.tis_cap <= 0:
@@ -193,25 +131,14 @@ class GRPOConfig(ObjectiveConfig):
                 f"{self.mask_band}"
             )
         _check_engine(self, config)
-        if not 0 <= self.overlong_buffer <= self.max_new_tokens:
-            raise ConfigError(
-                f"objective.overlong_buffer must be in [0, objective.max_new_tokens "
-                f"({self.max_new_tokens})], got {self.overlong_buffer}"
-            )
         if self.loss == "gspo" and config.parallelism.sp > 1:
             raise ConfigError(
                 "objective.loss gspo needs each completion's whole log-prob sum, which "
                 f"parallelism.sp {config.parallelism.sp} splits over ranks; use grpo, dapo, "
                 "bnpo or dr_grpo with sequence parallelism"
             )
-        check_positive(config, "objective.dynamic_sampling_draws")
-        if self.router_replay:
-            _check_router_replay(config)
-        if self.accuracy_reward not in reward_names():
-            raise ConfigError(
-                f"objective.accuracy_reward: {self.accuracy_reward!r} not registered; choose "
-                f"from {', '.join(reward_names())}"
-            )
+        if self.kl_coef < 0:
+            raise ConfigError(f"objective.kl_coef must be >= 0, got {self.kl_coef}")
 
     def policy_loss(self) -> PolicyLoss:
         """The loss ``objective.loss`` names, with its clip range."""
@@ -234,26 +161,10 @@ class GRPOConfig(ObjectiveConfig):
         tokenizer = load_tokenizer(folder)
         template = load_chat_template(config.data.chat_template, folder)
         return GRPO(
+            self,
             tokenizer=tokenizer,
             stop_tokens=stop_token_ids(tokenizer, template),
-            rewards={name: get_reward(name) for name in self.rewards},
-            reward_weights=self.reward_weights or [1.0] * len(self.rewards),
-            group_size=self.group_size,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            clip_eps=self.clip_eps,
-            kl_coef=self.kl_coef,
-            kl_estimator=self.kl_estimator,
-            updates_per_rollout=self.updates_per_rollout,
             lockstep_group=dist.group.WORLD if config.parallelism.ep > 1 else None,
-            policy_loss=self.policy_loss(),
-            overlong=(self.overlong_buffer, self.overlong_penalty),
-            accuracy=get_reward(self.accuracy_reward),
-            sampling_draws=self.dynamic_sampling_draws if self.dynamic_sampling else 1,
-            compile_rollouts=self.compile_rollouts,
-            router_replay=self.router_replay,
             **(reference_policy(config, build_reference) if self.kl_coef else {}),
         )
 
@@ -287,80 +198,40 @@ def _check_engine(section: GRPOConfig, config: Config) -> None:
             )
 
 
-def _check_router_replay(config: Config) -> None:
-    """Router replay needs routed experts and the eager decode step, which records them."""
-    _, args, source = model_args(config)
-    if not getattr(args, "n_experts", 0):  # 0 or absent: a dense model (see check_model)
-        raise ConfigError(
-            f"objective.router_replay needs a mixture-of-experts model; {source} has no "
-            "routed experts"
-        )
-    if config.objective.compile_rollouts:
-        raise ConfigError(
-            "objective.router_replay with objective.compile_rollouts: the compiled decode "
-            "step does not record routes; turn one off"
-        )
-
-
 class GRPO:
     """GRPO with rollouts from the policy itself (see the module docstring)."""
 
     def __init__(
         self,
+        settings: GRPOConfig,
         *,
         tokenizer: Tokenizer,
         stop_tokens: set[int],
-        rewards: dict[str, Reward],
-        reward_weights: Sequence[float],
-        group_size: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float,
-        clip_eps: float,
-        kl_coef: float,
-        updates_per_rollout: int,
-        kl_estimator: KLEstimator = "k3",
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
         lockstep_group: ProcessGroup | None = None,
-        policy_loss: PolicyLoss | None = None,
-        overlong: tuple[int, float] = (0, 1.0),
-        accuracy: Reward = exact_match,
-        sampling_draws: int = 1,
-        compile_rollouts: bool = False,
-        router_replay: bool = False,
     ) -> None:
-        self.policy_loss = policy_loss or PolicyLoss(
-            clip_low=clip_eps, clip_high=clip_eps, max_new_tokens=max_new_tokens
-        )
+        """``settings`` whole (its rollout fields go to the sampler as they are); the KL term
+        needs the frozen ``reference`` or the policy's ``reference_mode`` (LoRA: adapters
+        off)."""
+        if settings.kl_coef and (reference is None) == (reference_mode is None):
+            raise ValueError(
+                "objective.kl_coef > 0 takes exactly one of a reference model or a reference mode"
+            )
+        self.settings = settings
+        self.policy_loss = settings.policy_loss()
         self.sampler = RolloutSampler(
+            settings,
             tokenizer=tokenizer,
             stop_tokens=stop_tokens,
-            rewards=rewards,
-            reward_weights=reward_weights,
-            group_size=group_size,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            with_reference=kl_coef > 0,
+            with_reference=settings.kl_coef > 0,
             reference=reference,
             reference_mode=reference_mode,
             lockstep_group=lockstep_group,
-            accuracy=accuracy,
-            overlong=overlong,
-            recompute_old=updates_per_rollout > 1,
-            compile=compile_rollouts,
-            router_replay=router_replay,
+            recompute_old=settings.updates_per_rollout > 1,
         )
-        self.group_size = group_size
         self.loss_temperature = self.sampler.loss_temperature
-        self.kl_coef = kl_coef
-        self.kl_estimator = kl_estimator
-        self.updates_per_rollout = updates_per_rollout
-        self.sampling_draws = sampling_draws
-        """Prompt micro-batches a rollout micro-batch may sample (dynamic sampling; 1 = off)."""
+        self.updates_per_rollout = settings.updates_per_rollout
 
     def count(self, batch: Batch) -> torch.Tensor:
         """The units the loss is averaged over (``PolicyLoss.count``); of a sequence-parallel
@@ -397,7 +268,7 @@ class GRPO:
             return self._with_advantages(self.sampler.score(model, prompts, sampled))
 
     def _with_advantages(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:
-        advantages = self.policy_loss.advantages(rollout.rewards, self.group_size)
+        advantages = self.policy_loss.advantages(rollout.rewards, self.settings.group_size)
         device = rollout.batch["input_ids"].device
         scored = {"advantages": advantages.to(device), "rewards": rollout.rewards.to(device)}
         return rollout.batch | scored, rollout.metrics
@@ -418,7 +289,7 @@ class GRPO:
             batch["advantages"] = batch["advantages"] / scale
 
     def empty_rollout(self, model: nn.Module, prompts: int, width: int) -> Batch:
-        rows = prompts * self.group_size
+        rows = prompts * self.settings.group_size
         scored = {"advantages": torch.zeros(rows), "rewards": torch.zeros(rows)}
         return self.sampler.empty_rollout(model, rows, width) | scored
 
@@ -455,11 +326,11 @@ class GRPO:
         metrics["entropy"] = self._token_mean(entropy, completion, batch)
         metrics["logprob_diff_mean"] = self._token_mean(gap, completion, batch)
         metrics["logprob_diff_max"] = gap.amax()
-        if self.kl_coef:
+        if self.settings.kl_coef:
             kl = k3_kl(log_probs, batch["ref_log_probs"])
-            if self.kl_estimator == "weighted_k3":
+            if self.settings.kl_estimator == "weighted_k3":
                 kl = kl * ratio
-            per_token = per_token + self.kl_coef * kl
+            per_token = per_token + self.settings.kl_coef * kl
             metrics["kl"] = self._token_mean(kl, completion, batch)
         loss = self.policy_loss.reduce(per_token, completion, batch[COMPLETION_LENGTHS])
         return loss, self.count(batch), metrics

@@ -31,19 +31,21 @@ chooses.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from temper.config import Config, ConfigError, check_positive
 from temper.data.batch import IGNORE_INDEX, Batch
 from temper.data.prompts import decode_record
 from temper.data.tokenizer import Tokenizer
 from temper.generation import Generation, gathered_weights
 from temper.generation.engines import NativeEngine, RolloutEngine, SamplingParams
+from temper.generation.sampling import check_sampling
+from temper.models.fit import model_args
 from temper.models.layers.route_replay import (
     ROUTE_DTYPE,
     ROUTES,
@@ -55,7 +57,7 @@ from temper.models.layers.route_replay import (
 from temper.objectives.causal_lm import label_log_probs
 from temper.objectives.policy_loss import overlong_penalty
 from temper.objectives.registry import ReferenceMode
-from temper.objectives.rewards import Record, Reward, exact_match
+from temper.objectives.rewards import Record, Reward, get_reward, reward_names
 from temper.objectives.rollout_metrics import no_signal_groups
 from temper.parallel.ulysses import whole_sequences
 
@@ -93,65 +95,149 @@ class Rollout:
     metrics: dict[str, float]
 
 
+@dataclass
+class RolloutSettings:
+    """What a GRPO rollout samples and how it scores it: the rollout's ``--objective.*``
+    fields. ``GRPOConfig`` inherits them (so their flags stay ``--objective.group_size`` ...)
+    and hands itself whole to ``RolloutSampler``; a new rollout option is a field here, read
+    where it is used (the sampler, or the driver for dynamic sampling), with its rule in
+    ``check`` if it has one."""
+
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are normalized within the group."""
+    max_new_tokens: int = 32
+    """The longest completion; prompts get training.seq_len minus this."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (0 is greedy)."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens; None = all."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 = off."""
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward functions registered with `temper.objectives.register_reward`, summed."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward; empty = all 1."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: completions longer than max_new_tokens minus this
+    lose up to overlong_penalty reward, linearly; 0 = off."""
+    overlong_penalty: float = 1.0
+    """The reward lost by a completion of max_new_tokens tokens (with overlong_buffer)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards all agree and refill the batch
+    with more prompts' rollouts."""
+    dynamic_sampling_draws: int = 4
+    """The most prompt micro-batches one rollout micro-batch samples to fill itself (with
+    dynamic_sampling); a batch still short after them keeps what it found."""
+    compile_rollouts: bool = False
+    """Decode rollouts with the compiled static-cache step (`generate(compile=True)`); the
+    first rollout then compiles it. See docs/generation.md."""
+    accuracy_reward: str = "exact_match"
+    """The registered reward reported as the rollout's `accuracy` metric (1 = right)."""
+    router_replay: bool = False
+    """MoE only: record the experts each sampled token was routed to and route it so in the
+    old log-probs' and every training forward of that rollout (R3); see
+    docs/post-training.md."""
+
+    @property
+    def sampling_draws(self) -> int:
+        """Prompt micro-batches one rollout micro-batch may sample (1: no dynamic sampling)."""
+        return self.dynamic_sampling_draws if self.dynamic_sampling else 1
+
+    def check(self, config: Config) -> None:
+        """The rollout fields' own rules; ConfigError naming the ``objective.*`` field."""
+        if self.group_size < 2:
+            raise ConfigError(
+                "objective.group_size must be >= 2 (advantages compare a prompt's "
+                f"completions), got {self.group_size}"
+            )
+        check_positive(config, "objective.max_new_tokens", "objective.dynamic_sampling_draws")
+        if self.max_new_tokens >= config.training.seq_len:
+            raise ConfigError(
+                f"objective.max_new_tokens ({self.max_new_tokens}) must be below "
+                f"training.seq_len ({config.training.seq_len}): the prompt needs room"
+            )
+        try:  # the sampler's own rules; its messages start with the argument's name
+            check_sampling(self.temperature, self.top_k, self.top_p)
+        except ValueError as error:
+            raise ConfigError(f"objective.{error}") from None
+        if not 0 <= self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigError(
+                f"objective.overlong_buffer must be in [0, objective.max_new_tokens "
+                f"({self.max_new_tokens})], got {self.overlong_buffer}"
+            )
+        if self.router_replay:
+            _check_router_replay(self, config)
+        if not self.rewards:
+            raise ConfigError("objective.rewards must name at least one reward")
+        for name, names in (("rewards", self.rewards), ("accuracy_reward", [self.accuracy_reward])):
+            unknown = [r for r in names if r not in reward_names()]
+            if unknown:
+                raise ConfigError(
+                    f"objective.{name}: {', '.join(map(repr, unknown))} not registered; choose "
+                    f"from {', '.join(reward_names())} or register one with @register_reward"
+                )
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ConfigError(
+                f"objective.reward_weights has {len(self.reward_weights)} values for "
+                f"{len(self.rewards)} objective.rewards"
+            )
+
+
+def _check_router_replay(settings: RolloutSettings, config: Config) -> None:
+    """Router replay needs routed experts and the eager decode step, which records them."""
+    _, args, source = model_args(config)
+    if not getattr(args, "n_experts", 0):  # 0 or absent: a dense model (see check_model)
+        raise ConfigError(
+            f"objective.router_replay needs a mixture-of-experts model; {source} has no "
+            "routed experts"
+        )
+    if settings.compile_rollouts:
+        raise ConfigError(
+            "objective.router_replay with objective.compile_rollouts: the compiled decode "
+            "step does not record routes; turn one off"
+        )
+
+
 class RolloutSampler:
-    """Samples ``group_size`` completions per prompt and records what the loss needs."""
+    """Samples ``group_size`` completions per prompt and records what the loss needs, as its
+    ``settings`` say."""
 
     def __init__(
         self,
+        settings: RolloutSettings,
         *,
         tokenizer: Tokenizer,
         stop_tokens: set[int],
-        rewards: dict[str, Reward],
-        reward_weights: Sequence[float],
-        group_size: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float,
-        with_reference: bool,
+        with_reference: bool = False,
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
         lockstep_group: ProcessGroup | None = None,
-        accuracy: Reward = exact_match,
-        overlong: tuple[int, float] = (0, 1.0),
         recompute_old: bool = False,
-        compile: bool = False,
-        router_replay: bool = False,
     ) -> None:
+        self.settings = settings
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
-        self.rewards = rewards
-        self.reward_weights = list(reward_weights)
-        self.group_size = group_size
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
+        self.rewards: dict[str, Reward] = {name: get_reward(name) for name in settings.rewards}
+        self.accuracy = get_reward(settings.accuracy_reward)
+        """The reward reported as the ``accuracy`` metric."""
         # The policy trained is the one sampled: logits over the temperature (greedy: 1).
-        self.loss_temperature = temperature if temperature > 0 else 1.0
-        self.top_k = top_k
-        self.top_p = top_p
+        self.loss_temperature = settings.temperature if settings.temperature > 0 else 1.0
         self.with_reference = with_reference
         self.reference = reference
         self.reference_mode = reference_mode
         self.lockstep_group = lockstep_group
-        self.accuracy = accuracy
-        """The reward reported as the ``accuracy`` metric."""
-        self.overlong = overlong
-        """(buffer, penalty) of DAPO's soft overlong punishment; buffer 0 = off."""
         self.recompute_old = recompute_old
         """Run the old log-probs' forward also when the model itself sampled (several updates
         per rollout; forced on, the path the ratio-1 shortcut is checked against)."""
-        self.compile = compile
-        """Decode with the compiled static-cache step (``generate(compile=True)``)."""
-        self.router_replay = router_replay
-        """Record the experts that sampled each token and replay them (module docstring)."""
 
     @property
     def params(self) -> SamplingParams:
+        settings = self.settings
         return SamplingParams(
-            self.max_new_tokens,
-            self.temperature,
-            self.top_k,
-            self.top_p,
+            settings.max_new_tokens,
+            settings.temperature,
+            settings.top_k,
+            settings.top_p,
             frozenset(self.stop_tokens),
         )
 
@@ -180,9 +266,9 @@ class RolloutSampler:
         rows = [
             ids[m] for ids, m in zip(prompts["prompt_ids"], prompts["prompt_mask"], strict=True)
         ]
-        rows = [row for row in rows for _ in range(self.group_size)]
-        engine = engine or NativeEngine(model, self.lockstep_group, self.compile)
-        recording = recording_routes(model) if self.router_replay else nullcontext()
+        rows = [row for row in rows for _ in range(self.settings.group_size)]
+        engine = engine or NativeEngine(model, self.lockstep_group, self.settings.compile_rollouts)
+        recording = recording_routes(model) if self.settings.router_replay else nullcontext()
         with recording as record:
             out = engine.generate(rows, self.params, generator)
         routes = None if record is None else stacked(record)
@@ -203,7 +289,7 @@ class RolloutSampler:
         completion = labels != IGNORE_INDEX
         sampler = torch.zeros(input_ids.shape, device=device)
         sampler[completion] = out.log_probs.to(device)[
-            _completion_mask(lengths, self.max_new_tokens)
+            _completion_mask(lengths, self.settings.max_new_tokens)
         ].float()
         batch = {
             "input_ids": input_ids,
@@ -226,11 +312,12 @@ class RolloutSampler:
         scores = self._score([self.tokenizer.decode(r.tolist()) for r in rows], texts, records)
         rewards = scores["reward"] + self._overlong_penalty(lengths.cpu())
         metrics = {name: v.mean().item() for name, v in scores.items() if name != "reward"}
+        group_size = self.settings.group_size
         metrics |= {
             "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean().item(),
+            "reward_std": rewards.view(-1, group_size).std(dim=1).mean().item(),
             "response_length": lengths.float().mean().item(),
-            "no_signal_groups": no_signal_groups(rewards, self.group_size),
+            "no_signal_groups": no_signal_groups(rewards, group_size),
         }
         return Rollout(batch, rewards, metrics)
 
@@ -244,7 +331,7 @@ class RolloutSampler:
             "sampler_log_probs": torch.zeros(rows, width),
             "old_log_probs": torch.zeros(rows, width),
         }
-        if self.router_replay:
+        if self.settings.router_replay:
             layers = routed_layers(model)
             shape = (rows, width, len(layers), layers[0].top_k)
             batch[ROUTES] = torch.zeros(shape, dtype=ROUTE_DTYPE)
@@ -260,11 +347,11 @@ class RolloutSampler:
         per_reward = torch.zeros(len(self.rewards), len(completions))
         accuracy = torch.zeros(len(completions))
         for i, (prompt, text) in enumerate(zip(prompts, completions, strict=True)):
-            record = records[i // self.group_size]
+            record = records[i // self.settings.group_size]
             for k, reward in enumerate(self.rewards.values()):
                 per_reward[k, i] = reward(prompt, text, record)
             accuracy[i] = self.accuracy(prompt, text, record)
-        weights = torch.tensor(self.reward_weights)
+        weights = torch.tensor(self.settings.reward_weights or [1.0] * len(self.rewards))
         scores = {"reward": weights @ per_reward}
         if len(self.rewards) > 1:
             scores |= {
@@ -273,11 +360,13 @@ class RolloutSampler:
         return scores | {"accuracy": accuracy}
 
     def _overlong_penalty(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Each completion's soft overlong punishment (0 when ``overlong`` is off)."""
-        buffer, penalty = self.overlong
-        if not buffer:
+        """Each completion's soft overlong punishment (0 when ``overlong_buffer`` is off)."""
+        settings = self.settings
+        if not settings.overlong_buffer:
             return torch.zeros(lengths.shape)
-        return overlong_penalty(lengths, self.max_new_tokens, buffer, penalty)
+        return overlong_penalty(
+            lengths, settings.max_new_tokens, settings.overlong_buffer, settings.overlong_penalty
+        )
 
     def _reference_log_probs(
         self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor

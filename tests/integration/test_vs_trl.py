@@ -41,9 +41,9 @@ from temper.models import load_hf
 from temper.models.hf import adapter_of
 from temper.objectives import CausalLM
 from temper.objectives.dpo import DPO
+from temper.objectives.dpo import DPOConfig as DPOSettings  # TRL's DPOConfig is imported too
 from temper.objectives.grpo import GRPO
-from temper.objectives.policy_loss import PolicyLoss
-from temper.objectives.rewards import exact_match
+from temper.objectives.grpo import GRPOConfig as GRPOSettings
 from temper.objectives.rollout import rollout_rows
 from tests.unit.hf_parity import checkpoint_grads, max_rel_err, randomize_norms
 
@@ -271,7 +271,8 @@ def test_dpo_loss_and_rewards_equal_trl(folder: Path, tmp_path: Path, loss_type:
             expected = torch.where(trl_mask[i, 1:].bool(), trl_ids[i, 1:], IGNORE_INDEX)
             assert labels[: width - 1].tolist() == expected.tolist()
             assert (labels[width - 1 :] == IGNORE_INDEX).all()
-    objective = DPO(beta=beta, loss_type=loss_type, rpo_alpha=0.5, reference=load_hf(folder))
+    settings = DPOSettings(beta=beta, loss_type=loss_type, rpo_alpha=0.5)
+    objective = DPO(settings, reference=load_hf(folder))
     native = load_hf(tmp_path / "policy")
     loss_sum, pairs_count, metrics = objective.loss(native, rows)
     (loss_sum / pairs_count).backward()
@@ -325,7 +326,7 @@ def test_reference_free_losses_equal_trl(folder: Path, loss_type: str) -> None:
         )
         theirs = -average[:n].mean() - odds.mean()
     theirs.backward()
-    objective = DPO(beta=beta, loss_type=loss_type, simpo_gamma=gamma)
+    objective = DPO(DPOSettings(beta=beta, loss_type=loss_type, simpo_gamma=gamma))
     native = load_hf(folder)
     loss_sum, pairs_count, metrics = objective.loss(native, rows)
     (loss_sum / pairs_count).backward()
@@ -454,24 +455,22 @@ def test_grpo_loss_equals_trl(
         trl_loss.backward()
         theirs += trl_loss.item()
 
-    objective = GRPO(
-        tokenizer=load_tokenizer(str(folder)),
-        stop_tokens=set(),
-        rewards={"exact_match": exact_match},
-        reward_weights=[1.0],
+    settings = GRPOSettings(
         group_size=2,
         max_new_tokens=MAX_NEW_TOKENS,
         temperature=TEMPERATURE,
-        top_k=None,
-        top_p=1.0,
         clip_eps=0.2,
+        clip_high=0.28,
+        loss=loss,
         kl_coef=kl_coef,
         kl_estimator=estimator,
         updates_per_rollout=2,
+    )
+    objective = GRPO(
+        settings,
+        tokenizer=load_tokenizer(str(folder)),
+        stop_tokens=set(),
         reference=load_hf(folder) if kl_coef else None,
-        policy_loss=PolicyLoss(
-            name=loss, clip_low=0.2, clip_high=0.28, max_new_tokens=MAX_NEW_TOKENS
-        ),
     )
     batch = {
         "input_ids": input_ids,
@@ -528,21 +527,8 @@ def test_grpo_advantages_equal_trl(folder: Path, tmp_path: Path, scale: str) -> 
     rewards = torch.tensor(given)
     assert len(set(given[:4])) > 1 and len(set(given[4:])) > 1  # both groups teach something
 
-    objective = GRPO(
-        tokenizer=load_tokenizer(str(folder)),
-        stop_tokens=set(),
-        rewards={"exact_match": exact_match},
-        reward_weights=[1.0],
-        group_size=4,
-        max_new_tokens=MAX_NEW_TOKENS,
-        temperature=1.0,
-        top_k=None,
-        top_p=1.0,
-        clip_eps=0.2,
-        kl_coef=0.0,
-        updates_per_rollout=1,
-        policy_loss=PolicyLoss(scale=scale),
-    )
+    settings = GRPOSettings(group_size=4, max_new_tokens=MAX_NEW_TOKENS, advantage_scale=scale)
+    objective = GRPO(settings, tokenizer=load_tokenizer(str(folder)), stop_tokens=set())
     batch = {"advantages": objective.policy_loss.advantages(rewards, 4), "rewards": rewards}
     objective.finish_rollout([batch], lambda sums: sums)
     torch.testing.assert_close(batch["advantages"], theirs, rtol=0, atol=TOLERANCE)

@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from temper.config import ConfigError, load_config
-from temper.objectives.dpo import DPO, _log1mexp, preference_loss, sequence_log_probs
+from temper.objectives.dpo import (
+    DPO,
+    DPOConfig,
+    _log1mexp,
+    preference_loss,
+    sequence_log_probs,
+)
 
 POLICY_C, POLICY_R = [-3.0, -5.0], [-4.0, -4.5]
 REF_C, REF_R = [-3.5, -5.0], [-3.5, -4.0]
@@ -107,7 +113,7 @@ def test_dpo_objective_matches_hand_computation() -> None:
         logp = model(ids[row]).log_softmax(-1)
         return sum(logp[t, labels[row, t]].item() for t in range(4) if labels[row, t] != -100)
 
-    objective = DPO(beta=0.1, reference=reference)
+    objective = DPO(DPOConfig(beta=0.1), reference=reference)
     loss, count, metrics = objective.loss(policy, batch)
     h = (by_hand(policy, 0) - by_hand(reference, 0)) - (by_hand(policy, 1) - by_hand(reference, 1))
     assert count.item() == 1

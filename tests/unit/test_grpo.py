@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,23 +137,15 @@ def test_prompt_records_rows_and_errors(tmp_path: Path) -> None:
         read_prompt_records(str(path))
 
 
-def _objective(**overrides: object) -> GRPO:
+def _objective(reference: torch.nn.Module | None = None, **fields: Any) -> GRPO:
     tokenizer = load_tokenizer(None)
-    settings = dict(
+    defaults = dict(rewards=["exact_match", "item_match"], reward_weights=[1.0, 0.5], group_size=4)
+    return GRPO(
+        GRPOConfig(**(defaults | {"max_new_tokens": 8} | fields)),
         tokenizer=tokenizer,
         stop_tokens=stop_token_ids(tokenizer, BUILTIN_TEMPLATE),
-        rewards={"exact_match": exact_match, "item_match": item_match},
-        reward_weights=[1.0, 0.5],
-        group_size=4,
-        max_new_tokens=8,
-        temperature=1.0,
-        top_k=None,
-        top_p=1.0,
-        clip_eps=0.2,
-        kl_coef=0.0,
-        updates_per_rollout=1,
+        reference=reference,
     )
-    return GRPO(**(settings | overrides))
 
 
 def _prompts() -> dict[str, torch.Tensor]:
@@ -216,7 +209,7 @@ def test_batch_scale_divides_by_the_std_of_the_whole_steps_rewards() -> None:
     step's rollout is drawn, then all are divided by the std of every reward of the step
     (here two micro-batches, the data ranks' sum given as the identity)."""
     policy = GRPOConfig(advantage_scale="batch", max_new_tokens=8).policy_loss()
-    objective = _objective(group_size=2, policy_loss=policy)
+    objective = _objective(group_size=2, advantage_scale="batch")
     first, second = torch.tensor([1.0, 0.0, 2.0, 2.0]), torch.tensor([0.0, 4.0, 1.0, 1.0])
     batches = [{"rewards": r, "advantages": policy.advantages(r, 2)} for r in (first, second)]
     objective.finish_rollout(batches, lambda value: value)
@@ -236,7 +229,7 @@ def test_kl_term_uses_the_reference_log_probs_and_adds_k3() -> None:
     model = materialize(build_model("llama3", "debug"), torch.device("cpu"))
     torch.manual_seed(1)
     reference = materialize(build_model("llama3", "debug"), torch.device("cpu"))
-    objective = _objective(kl_coef=0.1, reference=reference)
+    objective = _objective(reference, kl_coef=0.1)
     batch, _ = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
     completion = batch["labels"] != IGNORE_INDEX
     with torch.no_grad():
@@ -265,9 +258,8 @@ def test_loss_and_gradient_equal_the_formula_off_policy(name: str, estimator: st
     model = materialize(build_model("llama3", "debug"), torch.device("cpu"))
     torch.manual_seed(1)
     reference = materialize(build_model("llama3", "debug"), torch.device("cpu"))
-    section = GRPOConfig(loss=name, max_new_tokens=8, clip_high=0.28)
     objective = _objective(
-        kl_coef=0.1, reference=reference, kl_estimator=estimator, policy_loss=section.policy_loss()
+        reference, kl_coef=0.1, kl_estimator=estimator, loss=name, clip_high=0.28
     )
     batch, _ = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
     ids, labels = batch["input_ids"], batch["labels"]

@@ -211,10 +211,10 @@ def _packed_batch() -> dict[str, torch.Tensor]:
 def _loss_and_grads(
     model: torch.nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    from temper.objectives import CausalLM
+    from temper.objectives import CausalLM, CausalLMConfig
 
     model.zero_grad()
-    loss_sum, n_tokens, metrics = CausalLM(z_loss_weight=1e-3).loss(model, batch)
+    loss_sum, n_tokens, metrics = CausalLM(CausalLMConfig(z_loss_weight=1e-3)).loss(model, batch)
     (loss_sum / n_tokens).backward()
     assert metrics["z_loss"] > 0
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

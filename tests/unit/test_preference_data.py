@@ -19,7 +19,7 @@ from temper.data.preference import (
 )
 from temper.data.sft import sample_labels
 from temper.data.tokenizer import Tokenizer, load_tokenizer
-from temper.objectives.dpo import DPO
+from temper.objectives.dpo import DPO, DPOConfig
 from tests.unit.test_chat_tools import CALL, TEMPLATE, TOOLS, folder, ours  # noqa: F401 (fixtures)
 from tests.unit.test_dpo import _FixedLogits
 
@@ -75,7 +75,7 @@ def test_rows_and_rewards_count_the_answer_only() -> None:
         return sum(logp[t, label].item() for t, label in enumerate(labels) if label != -100)
 
     beta = 0.1
-    _, _, metrics = DPO(beta=beta, reference=reference).loss(policy, batch)
+    _, _, metrics = DPO(DPOConfig(beta=beta), reference=reference).loss(policy, batch)
     for name, answer in (("chosen", "4"), ("rejected", "5")):
         expected = beta * (answer_log_prob(policy, answer) - answer_log_prob(reference, answer))
         assert metrics[f"rewards_{name}"].item() == pytest.approx(expected, rel=1e-5)

@@ -6,6 +6,7 @@ checkpointed rollout buffer and the config's refusals."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,10 +30,9 @@ from temper.models.layers.route_replay import (
 )
 from temper.models.layers.routers import GroupLimitedRouter, GroupLimitedRouting, TopKRouter
 from temper.models.registry import build_model
-from temper.objectives import GRPO, micro_batch_scope
+from temper.objectives import GRPO, GRPOConfig, micro_batch_scope
 from temper.objectives.causal_lm import label_log_probs
 from temper.objectives.dynamic_sampling import fill_rollout
-from temper.objectives.rewards import exact_match
 from temper.parallel.activation_checkpoint import apply_activation_checkpointing
 from temper.parallel.ulysses import shard_batch
 from temper.recipes.posttrain import grpo_debug
@@ -74,24 +74,14 @@ def fed_positions(labels: torch.Tensor) -> torch.Tensor:
     return torch.arange(labels.shape[1]) < ends[:, None]
 
 
-def _objective(**overrides: object) -> GRPO:
+def _objective(**fields: Any) -> GRPO:
     tokenizer = load_tokenizer(None)
-    settings = dict(
+    settings = dict(group_size=4, max_new_tokens=8, router_replay=True)
+    return GRPO(
+        GRPOConfig(**(settings | fields)),
         tokenizer=tokenizer,
         stop_tokens=stop_token_ids(tokenizer, BUILTIN_TEMPLATE),
-        rewards={"exact_match": exact_match},
-        reward_weights=[1.0],
-        group_size=4,
-        max_new_tokens=8,
-        temperature=1.0,
-        top_k=None,
-        top_p=1.0,
-        clip_eps=0.2,
-        kl_coef=0.0,
-        updates_per_rollout=1,
-        router_replay=True,
     )
-    return GRPO(**(settings | overrides))
 
 
 def _prompts() -> dict[str, torch.Tensor]:
