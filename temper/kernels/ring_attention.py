@@ -19,7 +19,8 @@ gradient accumulators, recomputing each block's probabilities from the saved log
 flash attention's backward does), so every rank's dK and dV come home after ``cp`` shifts. The
 next block's transfer (batched isend/irecv) is posted before the current block's compute.
 
-This is the plain-PyTorch reference (a block's scores held in fp32, on any device and gloo);
+This is the plain-PyTorch reference (scores in fp32, ``query_tile`` queries at a time so a
+block never holds more than [b, h, query_tile, s_local] of them; on any device and gloo);
 fused per-block kernels (flash/varlen on GPU) are not built yet.
 """
 
@@ -59,6 +60,7 @@ def ring_attention(
     scale: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    query_tile: int = 1024,
 ) -> torch.Tensor:
     """Causal (block-causal with ``docs``) attention of this rank's queries over the whole
     sequence held by the CP ``group`` in the load-balanced layout.
@@ -67,7 +69,8 @@ def ring_attention(
     multiple of h_kv; d_v may differ from d, as in MLA); ``docs`` is the whole sequence's
     mask ([b, s * cp], global order), None for one document per row. ``scale``, ``window``
     and ``sinks`` [h] mean what they mean for ``temper.kernels.attention.attention``, with
-    columns counted globally. Returns [b, s, h, d_v] in q's dtype.
+    columns counted globally. ``query_tile``: queries whose scores are computed at once.
+    Returns [b, s, h, d_v] in q's dtype.
     """
     size = dist.get_world_size(group)
     b, s, h, _ = q.shape
@@ -80,7 +83,8 @@ def ring_attention(
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     doc_ids = None if docs is None else docs.doc_ids
-    return _RingAttention.apply(q, k, v, sinks, doc_ids, group, scale, window)
+    ring = _Ring(group, q, doc_ids, window, query_tile)
+    return _RingAttention.apply(q, k, v, sinks, ring, scale)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -94,12 +98,9 @@ class _RingAttention(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         sinks: torch.Tensor | None,
-        doc_ids: torch.Tensor | None,
-        group: dist.ProcessGroup,
+        ring: _Ring,
         scale: float,
-        window: int | None,
     ) -> torch.Tensor:
-        ring = _Ring(group, q, doc_ids, window)
         q5 = _grouped(q, k.shape[2]).float()
         b, s, h_kv, g, _ = q5.shape
         out = q5.new_zeros(b, s, h_kv, g, v.shape[3])
@@ -107,11 +108,15 @@ class _RingAttention(torch.autograd.Function):
         block = [k, v]
         for step in range(ring.size):
             receive = ring.shift(block) if step < ring.size - 1 else None
-            scores = ring.scores(q5, block[0], step, scale)
-            block_lse = scores.logsumexp(dim=-1)
-            probs = torch.exp(scores - _finite(block_lse)[..., None])
-            block_out = torch.einsum("bhgqk,bkhe->bqhge", probs, block[1].float())
-            out, lse = _merge(out, lse, block_out, block_lse)
+            keys, values = block[0].float(), block[1].float()
+            for rows in ring.tiles(s):
+                scores = ring.scores(q5[:, rows], keys, step, scale, rows)
+                block_lse = scores.logsumexp(dim=-1)
+                probs = torch.exp(scores - _finite(block_lse)[..., None])
+                block_out = torch.einsum("bhgqk,bkhe->bqhge", probs, values)
+                out[:, rows], lse[..., rows] = _merge(
+                    out[:, rows], lse[..., rows], block_out, block_lse
+                )
             if receive is not None:
                 block = receive()
         if sinks is not None:
@@ -137,13 +142,15 @@ class _RingAttention(torch.autograd.Function):
         grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         for step in range(ring.size):
             receive = ring.shift(block) if step < ring.size - 1 else None
-            keys, values = block
-            probs = torch.exp(ring.scores(q5, keys, step, scale) - lse[..., None])
-            d_probs = torch.einsum("bqhge,bkhe->bhgqk", d_out, values.float())
-            d_scores = probs * (d_probs - delta[..., None])
-            dq += torch.einsum("bhgqk,bkhd->bqhgd", d_scores, keys.float()) * scale
-            grads[0] = grads[0] + torch.einsum("bhgqk,bqhgd->bkhd", d_scores, q5) * scale
-            grads[1] = grads[1] + torch.einsum("bhgqk,bqhge->bkhe", probs, d_out)
+            keys, values = block[0].float(), block[1].float()
+            for rows in ring.tiles(q.shape[1]):
+                scores = ring.scores(q5[:, rows], keys, step, scale, rows)
+                probs = torch.exp(scores - lse[..., rows, None])
+                d_probs = torch.einsum("bqhge,bkhe->bhgqk", d_out[:, rows], values)
+                d_scores = probs * (d_probs - delta[..., rows, None])
+                dq[:, rows] += torch.einsum("bhgqk,bkhd->bqhgd", d_scores, keys) * scale
+                grads[0] += torch.einsum("bhgqk,bqhgd->bkhd", d_scores, q5[:, rows]) * scale
+                grads[1] += torch.einsum("bhgqk,bqhge->bkhe", probs, d_out[:, rows])
             # The accumulators travel with their block; the last shift brings them home.
             grads = ring.shift(grads)() if ring.size > 1 else grads
             if receive is not None:
@@ -155,7 +162,7 @@ class _RingAttention(torch.autograd.Function):
             d_sinks = -(torch.exp(sink - lse) * delta).sum(dim=(0, 3)).flatten().to(sinks.dtype)
         dk, dv = grads
         dq = dq.view(q.shape).to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), d_sinks, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), d_sinks, None, None
 
 
 class _Ring:
@@ -168,6 +175,7 @@ class _Ring:
         q: torch.Tensor,
         doc_ids: torch.Tensor | None,
         window: int | None,
+        query_tile: int,
     ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
@@ -180,27 +188,33 @@ class _Ring:
         ]
         self.doc_ids = doc_ids
         self.window = window
+        self.query_tile = query_tile
 
-    def visible(self, source: int) -> torch.Tensor:
-        """[b or 1, s_q, s_k] bool: which keys of rank ``source``'s block this rank's queries
-        see (same document, causal, within the window), by global column."""
-        queries, keys = self.columns[self.rank][:, None], self.columns[source][None, :]
+    def tiles(self, s: int) -> list[slice]:
+        """The local query rows in tiles of ``query_tile``."""
+        return [slice(i, min(i + self.query_tile, s)) for i in range(0, s, self.query_tile)]
+
+    def visible(self, source: int, rows: slice) -> torch.Tensor:
+        """[b or 1, s_q, s_k] bool: which keys of rank ``source``'s block this rank's query
+        ``rows`` see (same document, causal, within the window), by global column."""
+        mine, theirs = self.columns[self.rank][rows], self.columns[source]
+        queries, keys = mine[:, None], theirs[None, :]
         mask = keys <= queries
         if self.window is not None:
             mask = mask & (queries - keys < self.window)
         mask = mask[None]
         if self.doc_ids is not None:
             ids = self.doc_ids
-            mask = mask & (
-                ids[:, self.columns[self.rank], None] == ids[:, None, self.columns[source]]
-            )
+            mask = mask & (ids[:, mine, None] == ids[:, None, theirs])
         return mask
 
-    def scores(self, q5: torch.Tensor, keys: torch.Tensor, step: int, scale: float) -> torch.Tensor:
-        """Masked scores [b, h_kv, g, s_q, s_k] (fp32) of the block held at ``step``: the one
-        that started on rank ``rank - step``."""
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", q5, keys.float()) * scale
-        mask = self.visible((self.rank - step) % self.size)
+    def scores(
+        self, q5: torch.Tensor, keys: torch.Tensor, step: int, scale: float, rows: slice
+    ) -> torch.Tensor:
+        """Masked scores [b, h_kv, g, s_q, s_k] (fp32) of query ``rows`` against the block
+        held at ``step``: the one that started on rank ``rank - step``."""
+        scores = torch.einsum("bqhgd,bkhd->bhgqk", q5, keys) * scale
+        mask = self.visible((self.rank - step) % self.size, rows)
         return scores.masked_fill(~mask[:, None, None], float("-inf"))
 
     def shift(self, tensors: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:

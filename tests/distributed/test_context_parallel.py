@@ -75,7 +75,7 @@ def _docs(case: Case) -> DocumentMask | None:
     return DocumentMask.from_position_ids(_positions()) if case.packed else None
 
 
-def _ring_rank(cases: tuple[Case, ...]) -> list[dict[str, torch.Tensor]]:
+def _ring_rank(cases: tuple[Case, ...], query_tile: int) -> list[dict[str, torch.Tensor]]:
     """Each case's local output and gradients on this rank."""
     import torch.distributed as dist
 
@@ -92,7 +92,15 @@ def _ring_rank(cases: tuple[Case, ...]) -> list[dict[str, torch.Tensor]]:
         sinks = inputs["sinks"].requires_grad_() if case.sinks else None
         group = dist.group.WORLD
         out = ring_attention(
-            q, k, v, _docs(case), group, scale=case.scale, window=case.window, sinks=sinks
+            q,
+            k,
+            v,
+            _docs(case),
+            group,
+            scale=case.scale,
+            window=case.window,
+            sinks=sinks,
+            query_tile=query_tile,
         )
         (out * inputs["grad"][:, columns]).sum().backward()
         result = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
@@ -124,11 +132,15 @@ def _reference(case: Case) -> dict[str, torch.Tensor]:
     return result
 
 
-@pytest.mark.parametrize("cases", [CP2_CASES, CP4_CASES], ids=["cp2", "cp4"])
-def test_ring_attention_matches_one_process(cases: tuple[Case, ...]) -> None:
-    """Outputs and gradients of every case, each rank's tokens put back in global order."""
-    size = 2 if cases is CP2_CASES else 4
-    ranks = run_on_ranks(_ring_rank, size, cases)
+@pytest.mark.parametrize(
+    ("size", "cases", "query_tile"), [(2, CP2_CASES, 5), (4, CP4_CASES, 1024)], ids=["cp2", "cp4"]
+)
+def test_ring_attention_matches_one_process(
+    size: int, cases: tuple[Case, ...], query_tile: int
+) -> None:
+    """Outputs and gradients of every case, each rank's tokens put back in global order; at
+    CP 2 the 12 local queries go in tiles of 5 (5, 5, 2), at CP 4 in one."""
+    ranks = run_on_ranks(_ring_rank, size, cases, query_tile)
     for i, case in enumerate(cases):
         want = _reference(case)
         for name, expected in want.items():
