@@ -3,6 +3,7 @@
 # First: a repository id in model.hf_path becomes its folder before any rule reads it.
 import temper.models.hub  # noqa: F401
 from temper.models import deepseek_v3 as deepseek_v3
+from temper.models import deepseek_v4 as deepseek_v4
 from temper.models import deepseek_v32 as deepseek_v32
 from temper.models import glm_moe_dsa as glm_moe_dsa
 from temper.models import gpt_oss as gpt_oss

@@ -10,6 +10,7 @@ import pytest
 from transformers import (
     AutoConfig,
     DeepseekV3Config,
+    DeepseekV4Config,
     DeepseekV32Config,
     GlmMoeDsaConfig,
     GptOssConfig,
@@ -164,6 +165,36 @@ CONFIGS: dict[str, PretrainedConfig] = {
         norm_topk_prob=False,
         rope_parameters=YARN,
     ),
+    "deepseek_v4": DeepseekV4Config(
+        **(SHAPE | {"num_key_value_heads": 1}),
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        q_lora_rank=20,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_shared_experts=2,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        hc_mult=3,
+        sliding_window=32,
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=3,
+        index_head_dim=16,
+        index_topk=5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     "glm_moe_dsa": GlmMoeDsaConfig(
         **(SHAPE | {"num_key_value_heads": 4}),
         **DSA,
@@ -212,13 +243,21 @@ def _differences(written: dict[str, Any], config: PretrainedConfig, where: str =
         if isinstance(held, PretrainedConfig):
             differences += _differences(value, held, f"{where}{key}.")
         elif isinstance(held, dict):
-            differences += [
-                f"{where}{key}.{k}: {v!r} -> {value.get(k)!r}"
-                for k, v in held.items()
-                if value.get(k) != v
-            ]
+            differences += _dict_differences(value, held, f"{where}{key}.")
         elif held != value:
             differences.append(f"{where}{key}: {held!r} -> {value!r}")
+    return differences
+
+
+def _dict_differences(written: dict[str, Any], held: dict[str, Any], where: str) -> list[str]:
+    """The entries of ``held`` that ``written`` lacks or holds otherwise, nested dicts (DeepSeek
+    V4's per-rotary ``rope_parameters``) entered alike."""
+    differences = []
+    for k, v in held.items():
+        if isinstance(v, dict):
+            differences += _dict_differences(written.get(k) or {}, v, f"{where}{k}.")
+        elif written.get(k) != v:
+            differences.append(f"{where}{k}: {v!r} -> {written.get(k)!r}")
     return differences
 
 

@@ -17,13 +17,24 @@ from temper.kernels.moe_permute import permute as permute_rows
 from temper.kernels.swiglu import swiglu
 
 
+def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``silu(gate) * up`` with, given a ``limit``, gate clamped to at most ``limit`` and up to
+    [-limit, limit] first (DeepSeek V4's ``swiglu_limit``)."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return swiglu(gate, up)
+
+
 class GroupedExperts(nn.Module):
     """SwiGLU experts as stacked weights, each in nn.Linear's [out, in] layout so HF's
     per-expert tensors stack without a transpose: w1 (gate), w3 (up) [E, hidden, dim] and
-    w2 (down) [E, dim, hidden]."""
+    w2 (down) [E, dim, hidden]. ``limit``: clamp the SwiGLU's inputs (``limited_swiglu``)."""
 
-    def __init__(self, dim: int, hidden_dim: int, n_experts: int) -> None:
+    def __init__(
+        self, dim: int, hidden_dim: int, n_experts: int, limit: float | None = None
+    ) -> None:
         super().__init__()
+        self.limit = limit
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
@@ -40,7 +51,7 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = (
             w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2)
         )
-        h = swiglu(grouped_mm(x, w1.mT, offsets), grouped_mm(x, w3.mT, offsets))
+        h = limited_swiglu(grouped_mm(x, w1.mT, offsets), grouped_mm(x, w3.mT, offsets), self.limit)
         return grouped_mm(h, w2.mT, offsets)
 
 

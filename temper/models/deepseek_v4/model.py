@@ -1,0 +1,311 @@
+"""DeepSeek V4: ``hc_mult`` residual streams mixed by hyper-connections around each block's
+compressed attention and mixture of experts (hash-routed or top-k, plus a shared expert), a
+hyper head collapsing the streams before the final norm.
+
+Whole unpacked sequences only for now: packed documents, KV caches (generation) and
+sequence-parallel slices are refused by name, and there are no multi-token-prediction depths.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from temper.data.batch import SequenceShard
+from temper.kernels.attention import DocumentMask
+from temper.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
+from temper.models.layers.compressed_attention import CompressedAttention
+from temper.models.layers.compressor import CompressedIndexer, Compressor
+from temper.models.layers.decoder import INIT_STD
+from temper.models.layers.experts import GroupedExperts, limited_swiglu
+from temper.models.layers.hyper_connections import HyperConnection, HyperHead, residual
+from temper.models.layers.init import depth_scaled_std, init_linear
+from temper.models.layers.kv_cache import KVCache
+from temper.models.layers.moe import (
+    MoE,
+    RoutingStats,
+    clear_routing,
+    load_balancing_loss,
+    load_imbalance,
+    moe_layers,
+)
+from temper.models.layers.norm import RMSNorm
+from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
+from temper.models.layers.routers import (
+    GroupLimitedRouter,
+    GroupLimitedRouting,
+    HashRouter,
+    update_expert_bias,
+)
+
+
+class SharedExpert(nn.Module):
+    """The SwiGLU every token goes through beside the routed experts, with V4's clamp."""
+
+    def __init__(self, dim: int, hidden_dim: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        init_linear(self.w1, std)
+        init_linear(self.w3, std)
+        init_linear(self.w2, out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(limited_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class DeepseekV4Block(nn.Module):
+    """Attention then experts, each between the hyper-connection that reads its input from the
+    streams and the ``residual`` that writes its output back."""
+
+    def __init__(self, args: DeepseekV4Args, layer_id: int) -> None:
+        super().__init__()
+        hc = dict(sinkhorn_iters=args.hc_sinkhorn_iters, eps=args.hc_eps, norm_eps=args.norm_eps)
+        self.attention_hc = HyperConnection(args.dim, args.hc_mult, **hc)
+        self.ffn_hc = HyperConnection(args.dim, args.hc_mult, **hc)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = _attention(args, args.layer_types[layer_id])
+        self.feed_forward = _moe(args, layer_id)
+        self.shared_experts = SharedExpert(
+            args.dim, args.n_shared_experts * args.moe_hidden_dim, args.swiglu_limit
+        )
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for part in (self.attention_hc, self.ffn_hc):
+            part.init_weights(std)
+        for part in (self.attention, self.feed_forward, self.shared_experts):
+            part.init_weights(std, out_std)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+    def forward(self, streams: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x, post, comb = self.attention_hc(streams)
+        streams = residual(streams, self.attention(self.attention_norm(x), cos, sin), post, comb)
+        x, post, comb = self.ffn_hc(streams)
+        h = self.ffn_norm(x)
+        return residual(streams, self.feed_forward(h) + self.shared_experts(h), post, comb)
+
+
+def _attention(args: DeepseekV4Args, kind: str) -> CompressedAttention:
+    eps = args.norm_eps
+    compressor = indexer = None
+    if kind == HCA:
+        compressor = Compressor(
+            args.dim, args.head_dim, args.hca_ratio, overlap=False, norm_eps=eps
+        )
+    elif kind == CSA:
+        compressor = Compressor(args.dim, args.head_dim, args.csa_ratio, overlap=True, norm_eps=eps)
+        indexer = CompressedIndexer(
+            args.dim,
+            args.q_lora_rank,
+            args.index_n_heads,
+            args.index_head_dim,
+            args.csa_ratio,
+            args.index_topk,
+            norm_eps=eps,
+        )
+    return CompressedAttention(
+        args.dim,
+        args.n_heads,
+        args.head_dim,
+        args.q_lora_rank,
+        o_groups=args.o_groups,
+        o_lora_rank=args.o_lora_rank,
+        window=args.sliding_window,
+        norm_eps=eps,
+        compressor=compressor,
+        indexer=indexer,
+    )
+
+
+def _moe(args: DeepseekV4Args, layer_id: int) -> MoE:
+    """Routed experts with the clamped SwiGLU; the router by token id (hash layers) or the
+    one-group, ``sqrtsoftplus`` top-k with the balancing bias. Weights always renormalized,
+    as transformers does whatever ``norm_topk_prob`` says."""
+    router = None
+    if args.is_hash_layer(layer_id):
+        router = HashRouter(
+            args.dim, args.n_experts, args.top_k, args.vocab_size, args.routed_scaling_factor
+        )
+    return MoE(
+        args.dim,
+        args.moe_hidden_dim,
+        args.n_experts,
+        args.top_k,
+        True,
+        group_limited=GroupLimitedRouting(1, 1, args.routed_scaling_factor, "sqrtsoftplus"),
+        router=router,
+        experts=GroupedExperts(args.dim, args.moe_hidden_dim, args.n_experts, args.swiglu_limit),
+    )
+
+
+class DeepseekV4Transformer(nn.Module):
+    """DeepSeek V4 causal LM: ``forward`` gives logits, ``hidden_states`` the head's input."""
+
+    attn_backend = "auto"
+    """Set by the trainer like every family's; the reference attention runs on sdpa."""
+
+    def __init__(self, args: DeepseekV4Args) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DeepseekV4Block(args, i) for i in range(args.n_layers))
+        self.hc_head = HyperHead(args.dim, args.hc_mult, eps=args.hc_eps, norm_eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Derived from args, never checkpointed: init_weights recomputes them after to_empty.
+        main, compress = self._inv_freqs()
+        self.register_buffer("inv_freq", main, persistent=False)
+        self.register_buffer("compress_inv_freq", compress, persistent=False)
+
+    def _inv_freqs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sliding layers' rotary (plain) and the compressed layers' (``rope_scaling``);
+        YaRN's attention factor is 1 here, as transformers sets it for V4."""
+        args = self.args
+        main = rope_inv_freq(args.qk_rope_head_dim, args.rope_theta)
+        compress = rope_inv_freq(args.qk_rope_head_dim, args.compress_rope_theta, args.rope_scaling)
+        return main, compress
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Materialize every parameter and buffer from the current torch RNG (after to_empty)."""
+        args = self.args
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        main, compress = self._inv_freqs()
+        self.inv_freq.copy_(main)
+        self.compress_inv_freq.copy_(compress)
+        nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD)
+        out_std = depth_scaled_std(INIT_STD, args.n_layers)
+        for layer in self.layers:
+            layer.init_weights(INIT_STD, out_std)
+        self.hc_head.init_weights(INIT_STD)
+        self.norm.reset_parameters()
+        if not args.tie_embeddings:
+            init_linear(self.output, INIT_STD)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        docs: DocumentMask | None = None,
+        cache: KVCache | None = None,
+        shard: SequenceShard | None = None,
+    ) -> torch.Tensor:
+        """Final-norm output [b, s, dim] of whole rows of token ids [b, s], each one causal
+        sequence at positions 0..s-1 (packed ``docs``, a ``cache`` and a ``shard`` are
+        refused: not built for V4 yet)."""
+        return self._hidden_states(input_ids, position_ids, docs, cache, shard)
+
+    def _hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        docs: DocumentMask | None,
+        cache: KVCache | None,
+        shard: SequenceShard | None,
+    ) -> torch.Tensor:
+        """The body ``forward`` calls too (FSDP2 wraps the public method in its root hooks)."""
+        for name, given in (("docs", docs), ("cache", cache), ("shard", shard)):
+            if given is not None:
+                raise ValueError(
+                    f"deepseek_v4 runs whole unpacked rows only: {name} (packed documents, KV "
+                    "cache decoding, sequence-parallel slices) is not supported yet"
+                )
+        clear_routing(self)
+        b, s = input_ids.shape
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        if position_ids is not None and not torch.equal(position_ids.expand(b, s), positions):
+            raise ValueError("deepseek_v4 takes positions 0..s-1 per row (no packed documents)")
+        rotary = {
+            SLIDING: rope_cos_sin(self.inv_freq, positions),
+            CSA: rope_cos_sin(self.compress_inv_freq, positions),
+        }
+        rotary[HCA] = rotary[CSA]
+        for router in self._hash_routers():
+            router.token_ids = input_ids
+        h = self.tok_embeddings(input_ids)
+        streams = h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
+        for layer, kind in zip(self.layers, self.args.layer_types, strict=True):
+            streams = layer(streams, *rotary[kind])
+        return self.norm(self.hc_head(streams))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        docs: DocumentMask | None = None,
+        cache: KVCache | None = None,
+        shard: SequenceShard | None = None,
+    ) -> torch.Tensor:
+        """Logits [b, s, vocab] (``hidden_states``' inputs)."""
+        return self.output(self._hidden_states(input_ids, position_ids, docs, cache, shard))
+
+    def _hash_routers(self) -> list[HashRouter]:
+        return [m.router for m in moe_layers(self).values() if isinstance(m.router, HashRouter)]
+
+    def routing(self) -> list[RoutingStats]:
+        """The routing of each MoE layer in the latest forward."""
+        stats = [m.routing for m in moe_layers(self).values() if m.routing is not None]
+        if not stats:
+            raise RuntimeError("no routing statistics: run a forward first")
+        return stats
+
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the latest forward, before ``router_aux_loss_coef``."""
+        return load_balancing_loss(self.routing())
+
+    def load_imbalance(self) -> torch.Tensor:
+        return load_imbalance(self.routing())
+
+    def after_optimizer_step(self) -> None:
+        """The aux-loss-free balancing step of the top-k layers (DeepSeek V3's, a
+        ``PostStepHook``); hash layers have no bias."""
+        routers = [
+            m.router for m in moe_layers(self).values() if isinstance(m.router, GroupLimitedRouter)
+        ]
+        update_expert_bias(routers, self.args.expert_bias_update_rate)
+
+    def active_params(self, trainable: bool | None = None) -> float:
+        """Weights a token is multiplied by: all but the input embedding (a tied table counts
+        once, as the head), routed experts as top_k / n_experts of theirs. ``trainable``:
+        only the weights that do (True) or do not (False) train."""
+        args = self.args
+
+        def counted(params: object) -> int:
+            return sum(
+                p.numel() for p in params if trainable is None or p.requires_grad == trainable
+            )
+
+        n = counted(self.parameters())
+        if not args.tie_embeddings:
+            n -= counted([self.tok_embeddings.weight])
+        experts = counted(p for m in moe_layers(self).values() for p in m.experts.parameters())
+        return n - experts * (1 - args.top_k / args.n_experts)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at ``seq_len``: 6 per active weight that trains (4 per
+        frozen one), plus the scores and weighted sums over the keys a query reads, 12 *
+        n_heads * head_dim per key: its window, and the compressed entries (all of HCA's,
+        CSA's ``index_topk``; what a sparse kernel computes, the reference masks dense
+        scores)."""
+        args = self.args
+        window = min(seq_len, args.sliding_window)
+        keys = 0
+        for kind in args.layer_types:
+            keys += window
+            if kind == HCA:
+                keys += seq_len // args.hca_ratio
+            elif kind == CSA:
+                keys += min(seq_len // args.csa_ratio, args.index_topk)
+        weights = 6.0 * self.active_params(trainable=True) + 4.0 * self.active_params(
+            trainable=False
+        )
+        return weights + 12.0 * args.n_heads * args.head_dim * keys

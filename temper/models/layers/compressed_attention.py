@@ -1,0 +1,107 @@
+"""DeepSeek V4's attention: one shared key-value head (MQA whose keys are its values), a sliding
+window of ordinary keys, and in compressed layers the entries of a ``Compressor`` beside them.
+
+    q   = rope(rms(W_qb norm(W_qa x)))          per head, no gain in the rms
+    kv  = rope(norm(W_kv x))                     one head, read as key and as value
+    o   = softmax_with_sink(q [kv_window ; entries]^T / sqrt(d)) [kv_window ; entries]
+    out = W_ob W_oa(rope^-1(o))                  grouped output projection
+
+Rotary turns the last ``rope_dim`` dims of each head (``rope_tail``). Since values carry the
+keys' rotation, the output is turned back by the query's position (``-sin``), which leaves each
+value's contribution a function of the distance to the query. A sliding layer attends within
+its ``window`` only; an HCA layer also to every completed compressed entry; a CSA layer to the
+``topk`` entries its indexer picks. Each head has a learned sink logit.
+
+The reference runs on sdpa with an explicit mask, whole sequences, no packed documents and no
+cache (``temper.models.deepseek_v4`` refuses those).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from temper.kernels.attention import attention, causal_band
+from temper.models.layers.compressor import (
+    CompressedIndexer,
+    Compressor,
+    compressed_visible,
+    rope_tail,
+)
+from temper.models.layers.grouped_linear import GroupedLinear
+from temper.models.layers.init import init_linear
+from temper.models.layers.norm import RMSNorm
+
+
+class CompressedAttention(nn.Module):
+    """V4 attention (module docstring). ``compressor`` None: a sliding layer; an ``indexer``
+    makes a compressed layer sparse (CSA)."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        head_dim: int,
+        q_lora_rank: int,
+        *,
+        o_groups: int,
+        o_lora_rank: int,
+        window: int,
+        norm_eps: float,
+        compressor: Compressor | None = None,
+        indexer: CompressedIndexer | None = None,
+    ) -> None:
+        super().__init__()
+        if (n_heads * head_dim) % o_groups:
+            raise ValueError(f"o_groups {o_groups} must divide n_heads * head_dim")
+        if indexer is not None and compressor is None:
+            raise ValueError("an indexer picks compressed entries: it needs a compressor")
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+        self.o_groups = o_groups
+        self.window = window
+        self.norm_eps = norm_eps
+        self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(q_lora_rank, eps=norm_eps)
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wkv = nn.Linear(dim, head_dim, bias=False)
+        self.kv_norm = RMSNorm(head_dim, eps=norm_eps)
+        self.wo_a = GroupedLinear(n_heads * head_dim // o_groups, o_groups * o_lora_rank, o_groups)
+        self.wo_b = nn.Linear(o_groups * o_lora_rank, dim, bias=False)
+        self.sinks = nn.Parameter(torch.empty(n_heads))
+        self.compressor = compressor
+        self.indexer = indexer
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.wq_a, self.wq_b, self.wkv):
+            init_linear(linear, std)
+        self.wo_a.init_weights(std)
+        init_linear(self.wo_b, out_std)
+        self.q_norm.reset_parameters()
+        self.kv_norm.reset_parameters()
+        nn.init.zeros_(self.sinks)
+        for part in (self.compressor, self.indexer):
+            if part is not None:
+                part.init_weights(std)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, s, dim] of whole sequences; cos/sin [b, s, rope_dim] of the layer's rotary
+        at positions 0..s-1 (a compressed entry reads its window's first)."""
+        b, s, _ = x.shape
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim)
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.norm_eps).to(q.dtype)
+        q = rope_tail(q, cos, sin)
+        kv = rope_tail(self.kv_norm(self.wkv(x)).unsqueeze(2), cos, sin)
+        sees = causal_band(s, s, self.window, x.device).expand(b, s, s)
+        if self.compressor is not None:
+            entries = self.compressor(x, cos, sin)
+            positions = torch.arange(s, device=x.device).expand(b, s)
+            seen = compressed_visible(positions, entries.shape[1], self.compressor.ratio)
+            if self.indexer is not None:
+                seen = self.indexer(x, q_latent, cos, sin, seen)
+            kv = torch.cat((kv, entries.unsqueeze(2)), dim=1)
+            sees = torch.cat((sees, seen), dim=-1)
+        out = attention(q, kv, kv, mask=sees[:, None], scale=self.head_dim**-0.5, sinks=self.sinks)
+        out = rope_tail(out, cos, -sin)
+        return self.wo_b(self.wo_a(out.reshape(b, s, self.o_groups, -1)).flatten(2))
