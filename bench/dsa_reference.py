@@ -23,6 +23,7 @@ import time
 import torch
 from torch import nn
 
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 from temper.models.layers.sparse_attention import SparseMLA
@@ -48,9 +49,9 @@ def _layers(topk: int) -> tuple[nn.Module, nn.Module]:
     return dense, sparse
 
 
-def _step(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> float:
+def _step(layer: nn.Module, x: torch.Tensor, ctx: ForwardContext) -> float:
     start = time.perf_counter()
-    layer(x, cos, sin).sum().backward()
+    layer(x, ctx).sum().backward()
     return time.perf_counter() - start
 
 
@@ -67,10 +68,11 @@ def main() -> None:
     for s in args.seq_lens:
         x = torch.randn(args.batch, s, DIM, requires_grad=True)
         cos, sin = rope_cos_sin(rope_inv_freq(ROPE, 10000.0, None), torch.arange(s)[None])
+        ctx = ForwardContext(cos, sin)
         times: dict[str, list[float]] = {"dense": [], "sparse": []}
         for _ in range(args.repeats + 1):  # the first round warms up
-            times["dense"].append(_step(dense, x, cos, sin))
-            times["sparse"].append(_step(sparse, x, cos, sin))
+            times["dense"].append(_step(dense, x, ctx))
+            times["sparse"].append(_step(sparse, x, ctx))
         d, p = (statistics.median(t[1:]) * 1e3 for t in times.values())
         heads_dims = HEADS * (NOPE + ROPE + V)
         dense_keys = (s + 1) / 2  # per query, on average: the causal ones

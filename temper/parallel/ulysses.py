@@ -3,11 +3,11 @@ Gated DeltaNet's convolution and recurrence) a slice of the heads.
 
 The batch is right-padded to a multiple of SP and sliced along the sequence before the model
 call (``SequenceParallel.shard``, the model entry); the slice travels with a
-``SequenceShard`` that the objective hands the decoder. Around each attention core an
-all-to-all turns q, k, v from sequence-sharded [b, s/sp, h, d] into head-sharded
-[b, s, h/sp, d], so attention sees the whole sequence (and masks built at its length), and
-the reverse all-to-all brings the output back. Everything else in a block works token by
-token.
+``SequenceShard`` that the objective hands the decoder. Around each token mixer's sequence
+core (``temper.models.layers.context``: attention's, Gated DeltaNet's) an all-to-all turns
+q, k, v from sequence-sharded [b, s/sp, h, d] into head-sharded [b, s, h/sp, d], so the
+mixer sees the whole sequence (and masks built at its length), and the reverse all-to-all
+brings the output back. Everything else in a block works token by token.
 
 Padding keeps out of the results: pad tokens carry label -100 (no loss, no token count) and
 position ``PAD_POSITION``, which makes each pad its own one-token document in the global mask,
@@ -18,6 +18,7 @@ routing statistics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -34,10 +35,11 @@ from temper.data.batch import (
     SequenceShard,
     pad_tokens,
 )
-from temper.kernels.attention import Backend, DocumentMask
-from temper.kernels.attention import attention as causal_attention
-from temper.models.fit import check_heads, check_linear_attention_heads, check_mtp
-from temper.models.layers.gated_deltanet import GatedDeltaNet, gated_delta_mix
+from temper.models.layers.context import (
+    ForwardContext,
+    SequenceMixer,
+    local_core,
+)
 from temper.utils.compat import all_to_all_single_autograd
 
 PAD_POSITION = -1
@@ -120,9 +122,16 @@ def _side(batch: Batch, side: str) -> Batch:
     return {key.removeprefix(side): v for key, v in batch.items() if key.startswith(side)}
 
 
-class UlyssesAttention:
-    """The attention core between two all-to-alls over the SP ``group``; a drop-in for
-    ``temper.kernels.attention.attention`` on sequence-sharded q, k, v."""
+class UlyssesCore:
+    """A ``SequenceCore`` between two all-to-alls over the SP ``group``: q, k, v and the
+    mixer's other per-head inputs go from sequence-sharded [b, s/sp, h, ...] to head-sharded
+    [b, s, h/sp, ...], the mixer's ``mix_heads`` runs on whole sequences of this rank's part
+    of the heads (``ForwardContext.head_part``, which its per-head weights follow), and the
+    reverse all-to-all brings the output back. An input with fewer heads than ranks (GQA's
+    keys and values) is repeated first, so each rank gets one copy of one head.
+
+    A KV cache means whole rows are being decoded (the decoder refuses slices with one): the
+    mixer then runs on this rank alone."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -131,40 +140,32 @@ class UlyssesAttention:
 
     def __call__(
         self,
+        mixer: SequenceMixer,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        docs: DocumentMask | None = None,
-        *,
-        backend: Backend = "auto",
-        scale: float | None = None,
-        window: int | None = None,
-        sinks: torch.Tensor | None = None,
+        ctx: ForwardContext,
+        *heads: torch.Tensor,
     ) -> torch.Tensor:
-        """``sinks`` [h] are per head: this rank attends with those of its head slice."""
-        if k.shape[2] < self.size:
-            k, v = (t.repeat_interleave(self.size // k.shape[2], dim=2) for t in (k, v))
-        q, k, v = (self._heads_to_ranks(t) for t in (q, k, v))
-        if sinks is not None:
-            sinks = sinks.view(self.size, -1)[self.rank]
-        out = causal_attention(
-            q, k, v, docs, backend=backend, scale=scale, window=window, sinks=sinks
-        )
-        return self._sequence_to_ranks(out)
+        if ctx.cache is not None:
+            return mixer.mix_heads(q, k, v, ctx, *heads)
+        q, k, v, *heads = (self._heads_to_ranks(t) for t in (q, k, v, *heads))
+        ctx = dataclasses.replace(ctx, head_part=self.rank, head_parts=self.size)
+        out = mixer.mix_heads(q, k, v, ctx, *heads)
+        return sequence_to_ranks(out, self.group, self.size)
 
     def _heads_to_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[2] < self.size:
+            x = x.repeat_interleave(self.size // x.shape[2], dim=2)
         return heads_to_ranks(x, self.group, self.size)
-
-    def _sequence_to_ranks(self, x: torch.Tensor) -> torch.Tensor:
-        return sequence_to_ranks(x, self.group, self.size)
 
 
 def heads_to_ranks(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    """[b, s/sp, h, d] -> [b, s, h/sp, d]: send head slice r to rank r, gather sequence."""
-    b, s, h, d = x.shape
-    x = x.reshape(b, s, size, h // size, d).permute(2, 0, 1, 3, 4).contiguous()
+    """[b, s/sp, h, ...] -> [b, s, h/sp, ...]: send head slice r to rank r, gather sequence."""
+    b, s, h, *rest = x.shape
+    x = x.reshape(b, s, size, h // size, *rest).transpose(0, 2).transpose(1, 2).contiguous()
     x = all_to_all_single_autograd(x, None, None, group)
-    return x.permute(1, 0, 2, 3, 4).reshape(b, size * s, h // size, d)
+    return x.transpose(0, 1).reshape(b, size * s, h // size, *rest)
 
 
 def sequence_to_ranks(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
@@ -173,36 +174,6 @@ def sequence_to_ranks(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> t
     x = x.reshape(b, size, s // size, h, d).transpose(0, 1).contiguous()
     x = all_to_all_single_autograd(x, None, None, group)
     return x.permute(1, 2, 0, 3, 4).reshape(b, s // size, size * h, d)
-
-
-class UlyssesGatedDeltaNet:
-    """Gated DeltaNet's cross-token core (``gated_delta_mix``) between all-to-alls over the SP
-    ``group``: each rank convolves and recurs over the whole sequence for its part of the
-    heads (with their convolution channels, A_log and dt_bias), so neither step needs a halo
-    exchange; the projections and the gated norm around it stay token-local."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-
-    def __call__(
-        self,
-        layer: GatedDeltaNet,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        b: torch.Tensor,
-        a: torch.Tensor,
-        docs: DocumentMask | None = None,
-        cache: None = None,
-    ) -> torch.Tensor:
-        if cache is not None:
-            raise ValueError("sequence parallelism is for training; decode without it")
-        q, k, v = (heads_to_ranks(t, self.group, self.size) for t in (q, k, v))
-        b, a = (heads_to_ranks(t[..., None], self.group, self.size)[..., 0] for t in (b, a))
-        out = gated_delta_mix(layer, q, k, v, b, a, docs, part=self.rank, parts=self.size)
-        return sequence_to_ranks(out, self.group, self.size)
 
 
 class SequenceParallel:
@@ -218,40 +189,31 @@ class SequenceParallel:
         return shard_batch(batch, self.rank, self.size, self.group)
 
     def apply(self, model: nn.Module) -> None:
-        """Route every attention core through the all-to-alls. Runs on the meta model, before
-        any other wrapper; the rest of the decoder learns of the slice from the batch's
-        ``SequenceShard``."""
-        args = model.args
-        check_heads(args.n_heads, getattr(args, "n_kv_heads", args.n_heads), self.size)
-        check_mtp(getattr(args, "mtp_depth", 0))
-        attend = UlyssesAttention(self.group)
-        mix = UlyssesGatedDeltaNet(self.group)
-        for block in model.layers:
-            mixer = block.attention
-            if isinstance(mixer, GatedDeltaNet):
-                check_linear_attention_heads(mixer.n_k_heads, mixer.n_v_heads, self.size)
-                mixer.mix = mix
-            else:
-                mixer.attend = attend
+        """Route the sequence core of every token mixer through the all-to-alls. Runs on the
+        meta model, before any other wrapper; the rest of the decoder learns of the slice
+        from the batch's ``SequenceShard``. Whether the heads split over the ranks is the
+        model's layout rule (``ModelSpec.check_layout``), checked with the config."""
+        core = UlyssesCore(self.group)
+        for mixer in sequence_mixers(model):
+            mixer.sequence_core = core
+
+
+def sequence_mixers(model: nn.Module) -> list[SequenceMixer]:
+    """The token mixers of ``model`` whose sequence core a layout may wrap."""
+    return [m for m in model.modules() if isinstance(m, SequenceMixer)]
 
 
 @contextlib.contextmanager
 def whole_sequences(model: nn.Module) -> Iterator[None]:
-    """Attention and Gated DeltaNet's mix on this rank alone while inside: an RL rollout
-    decodes and scores whole sequences on every SP rank (no all-to-all between them), then
-    training slices them. A model without SP wrappers is left as it is."""
-    swapped: list[tuple[nn.Module, str, object]] = []
-    for block in model.layers:
-        mixer = block.attention
-        if isinstance(mixer, GatedDeltaNet):
-            if isinstance(mixer.mix, UlyssesGatedDeltaNet):
-                swapped.append((mixer, "mix", mixer.mix))
-                mixer.mix = gated_delta_mix
-        elif isinstance(mixer.attend, UlyssesAttention):
-            swapped.append((mixer, "attend", mixer.attend))
-            mixer.attend = causal_attention
+    """Every token mixer on this rank alone while inside: an RL rollout decodes and scores
+    whole sequences on every SP rank (no all-to-all between them), then training slices
+    them. A model without SP wrappers is left as it is."""
+    mixers = sequence_mixers(model)
+    cores = [mixer.sequence_core for mixer in mixers]
+    for mixer in mixers:
+        mixer.sequence_core = local_core
     try:
         yield
     finally:
-        for mixer, name, wrapper in swapped:
-            setattr(mixer, name, wrapper)
+        for mixer, core in zip(mixers, cores, strict=True):
+            mixer.sequence_core = core

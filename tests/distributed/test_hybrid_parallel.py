@@ -117,7 +117,7 @@ def _padded_batch_rank(family: str) -> tuple[dict[str, Any], dict[str, Any]] | N
     from temper.models import build_model, materialize
     from temper.objectives import CausalLM
     from temper.objectives.causal_lm import documents
-    from temper.parallel.ulysses import SequenceParallel, UlyssesGatedDeltaNet
+    from temper.parallel.ulysses import SequenceParallel, UlyssesCore
     from temper.utils.device import init_runtime
 
     init_runtime()
@@ -130,7 +130,7 @@ def _padded_batch_rank(family: str) -> tuple[dict[str, Any], dict[str, Any]] | N
     model = build_model(family, "debug")
     sp = SequenceParallel(dist.group.WORLD)
     sp.apply(model)
-    assert isinstance(model.layers[0].attention.mix, UlyssesGatedDeltaNet)
+    assert isinstance(model.layers[0].attention.sequence_core, UlyssesCore)
     model = materialize(model, "cpu")
     model.load_state_dict(reference.state_dict())
 

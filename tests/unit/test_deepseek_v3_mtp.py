@@ -16,6 +16,7 @@ from temper.data.batch import IGNORE_INDEX
 from temper.kernels.attention import DocumentMask
 from temper.models import load_hf, materialize, save_hf
 from temper.models.deepseek_v3 import DeepseekV3Args, DeepseekV3Transformer
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.rope import rope_cos_sin
 from temper.objectives.causal_lm import CausalLM
 
@@ -121,7 +122,7 @@ def test_mtp_loss_is_the_hand_composition_of_its_modules(packed: bool) -> None:
         x = depth.eh_proj(
             torch.cat([depth.enorm(model.tok_embeddings(next_ids)), depth.hnorm(h)], dim=-1)
         )
-        h = depth.block(x, cos, sin, docs, "sdpa")
+        h = depth.block(x, ForwardContext(cos, sin, docs, "sdpa"))
         draft_logits = model.output(depth.norm(h))
         targets = _targets_by_hand(labels, positions, ahead)
         drafts = drafts + F.cross_entropy(

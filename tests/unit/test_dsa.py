@@ -30,6 +30,7 @@ from temper.models.deepseek_v32 import DeepseekV32Transformer
 from temper.models.glm_moe_dsa import GlmMoeDsaArgs, GlmMoeDsaTransformer
 from temper.models.glm_moe_dsa.args import as_glm
 from temper.models.hf import read_hf_args
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 from temper.models.layers.sparse_attention import SparseMLA, indexer_kl, select_top_k
@@ -146,9 +147,11 @@ def test_sparse_mla_with_every_key_kept_is_mla() -> None:
     cos, sin = _rope(positions)
     docs = DocumentMask.from_position_ids(positions)
     for d in (None, docs):
-        torch.testing.assert_close(layer(x, cos, sin, d), dense(x, cos, sin, d), rtol=0, atol=1e-6)
+        ctx = ForwardContext(cos, sin, d)
+        torch.testing.assert_close(layer(x, ctx), dense(x, ctx), rtol=0, atol=1e-6)
     sparse = _sparse_mla(topk=4)
-    assert max_rel_err(sparse(x, cos, sin), dense(x, cos, sin)) > 1e-2
+    ctx = ForwardContext(cos, sin)
+    assert max_rel_err(sparse(x, ctx), dense(x, ctx)) > 1e-2
 
 
 def test_packed_documents_attend_as_alone() -> None:
@@ -157,9 +160,9 @@ def test_packed_documents_attend_as_alone() -> None:
     x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(2))
     positions = torch.tensor([list(range(9)) + list(range(7))])
     cos, sin = _rope(positions)
-    packed = layer(x, cos, sin, DocumentMask.from_position_ids(positions))
-    first = layer(x[:, :9], cos[:, :9], sin[:, :9])
-    second = layer(x[:, 9:], cos[:, 9:], sin[:, 9:])
+    packed = layer(x, ForwardContext(cos, sin, DocumentMask.from_position_ids(positions)))
+    first = layer(x[:, :9], ForwardContext(cos[:, :9], sin[:, :9]))
+    second = layer(x[:, 9:], ForwardContext(cos[:, 9:], sin[:, 9:]))
     torch.testing.assert_close(packed, torch.cat([first, second], 1), rtol=0, atol=1e-6)
 
 

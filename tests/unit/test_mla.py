@@ -13,6 +13,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 
 from temper.kernels.attention import DocumentMask
 from temper.models.deepseek_v3.hf import args_from_hf
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -103,7 +104,7 @@ def test_mla_matches_transformers_eager_attention(
     expected, _ = theirs(x, rotary(x, positions), attention_mask=mask)
     args = args_from_hf(config.to_dict())
     cos, sin = rope_cos_sin(rope_inv_freq(6, args.rope_theta, args.rope_scaling), positions)
-    torch.testing.assert_close(ours(x, cos, sin), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours(x, ForwardContext(cos, sin)), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_interleaved_rope_is_bitwise_transformers() -> None:
@@ -135,7 +136,7 @@ def test_packed_documents_attend_only_within_themselves() -> None:
     positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
     inv_freq = rope_inv_freq(6, 10000.0)
     cos, sin = rope_cos_sin(inv_freq, positions)
-    packed = mla(x, cos, sin, DocumentMask.from_position_ids(positions))
+    packed = mla(x, ForwardContext(cos, sin, DocumentMask.from_position_ids(positions)))
     for start, end in ((0, 5), (5, 12)):
-        alone = mla(x[:, start:end], cos[:, start:end], sin[:, start:end])
+        alone = mla(x[:, start:end], ForwardContext(cos[:, start:end], sin[:, start:end]))
         torch.testing.assert_close(packed[:, start:end], alone, rtol=1e-5, atol=1e-6)

@@ -192,7 +192,8 @@ def test_qk_clip_scales_the_query_rows_of_heads_over_the_threshold() -> None:
     maxima: list[torch.Tensor] = []
 
     def by_hand(attention: nn.Module, args: tuple) -> None:
-        x, cos, sin = args[:3]
+        x, ctx = args
+        cos, sin = ctx.cos, ctx.sin
         b, s, _ = x.shape
         q = apply_rope(attention.wq(x).view(b, s, -1, attention.head_dim), cos, sin)
         k = apply_rope(attention.wk(x).view(b, s, -1, attention.head_dim), cos, sin)

@@ -9,6 +9,7 @@ from temper.data.batch import SequenceShard
 from temper.kernels.attention import DocumentMask, prepare_documents
 from temper.kernels.dispatch import kernel_settings
 from temper.models.deepseek_v3.args import DeepseekV3Args
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.decoder import INIT_STD, Block
 from temper.models.layers.init import depth_scaled_std
 from temper.models.layers.kv_cache import KVCache
@@ -87,12 +88,13 @@ class DeepseekV3Transformer(MoEDecoder):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         cos, sin = rope_cos_sin(self.inv_freq, position_ids)
         backend, docs = prepare_documents(self.attn_backend, docs, h, h.shape[1])
+        ctx = ForwardContext(cos, sin, docs, backend)
         # Rolled, the last columns hold wrapped tokens: their targets are ignored, and causal
         # attention keeps them from every other position.
         embedded = self.tok_embeddings(input_ids)
         normed = []
         for k, depth in enumerate(self.mtp):
-            h = depth(h, embedded.roll(-(k + 1), dims=1), cos, sin, docs, backend)
+            h = depth(h, embedded.roll(-(k + 1), dims=1), ctx)
             normed.append(depth.norm(h))
         return normed
 

@@ -2,7 +2,8 @@
 
 ``causal_attention(q, k, v, docs=None, *, backend="auto", scale=None)`` is the dispatcher of
 ``temper.kernels.attention``: causal, or block-causal over the packed documents of a
-``DocumentMask``, through sdpa, flex or varlen.
+``DocumentMask``, through sdpa, flex or varlen. ``attend`` is every attention layer's
+cross-token step (``mix_heads``): that dispatcher, or the KV cache while decoding.
 """
 
 from collections.abc import Callable
@@ -10,14 +11,39 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from temper.kernels.attention import Backend, DocumentMask
+from temper.kernels.attention import DocumentMask
 from temper.kernels.attention import attention as causal_attention
+from temper.models.layers.context import ForwardContext, SequenceCore, local_core
 from temper.models.layers.init import init_linear
-from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
 
-__all__ = ["Attention", "GatedAttention", "LogitMax", "causal_attention"]
+__all__ = ["Attention", "GatedAttention", "LogitMax", "attend", "causal_attention"]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: ForwardContext,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [b, s, h, d] over k, v [b, s, h_kv, d(_v)] as ``ctx`` says: causal or block-causal
+    over ``ctx.docs`` on ``ctx.backend``; restricted to ``ctx.selected`` (sparse attention,
+    on sdpa); or, decoding, over every key in ``ctx.cache`` after storing these."""
+    if ctx.cache is not None:
+        return ctx.cache.attend(
+            q, k, v, scale=scale, window=window, sinks=sinks, chosen=ctx.selected
+        )
+    if ctx.selected is not None:
+        mask = ctx.selected[:, None]
+        return causal_attention(q, k, v, mask=mask, scale=scale, window=window, sinks=sinks)
+    return causal_attention(
+        q, k, v, ctx.docs, backend=ctx.backend, scale=scale, window=window, sinks=sinks
+    )
 
 
 class LogitMax:
@@ -78,8 +104,7 @@ class Attention(nn.Module):
         no_norm = qk_norm_eps is None
         self.q_norm = nn.Identity() if no_norm else RMSNorm(head_dim, qk_norm_eps)
         self.k_norm = nn.Identity() if no_norm else RMSNorm(head_dim, qk_norm_eps)
-        # The attention core; sequence parallelism swaps in its all-to-all wrapper.
-        self.attend: Callable[..., torch.Tensor] = causal_attention
+        self.sequence_core: SequenceCore = local_core
         # QK-clip (``optimizer.muon_qk_clip``) sets this to track each head's largest logit.
         self.logit_max: LogitMax | None = None
 
@@ -91,27 +116,20 @@ class Attention(nn.Module):
             if isinstance(norm, RMSNorm):
                 norm.reset_parameters()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None = None,
-        backend: Backend = "auto",
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
-        """``cache`` (decoding): attend to its keys too, after adding this call's."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, s, _ = x.shape
-        q = apply_rope(self.q_norm(self.wq(x).view(b, s, -1, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), cos, sin)
+        q = apply_rope(self.q_norm(self.wq(x).view(b, s, -1, self.head_dim)), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), ctx.cos, ctx.sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        if cache is None:
-            if self.logit_max is not None:
-                self.logit_max.observe(q, k, docs)
-            out = self.attend(q, k, v, docs, backend=backend)
-        else:
-            out = cache.attend(q, k, v)
+        if self.logit_max is not None and ctx.cache is None:
+            self.logit_max.observe(q, k, ctx.docs)
+        out = self.sequence_core(self, q, k, v, ctx)
         return self.wo(out.reshape(b, s, -1))
+
+    def mix_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return attend(q, k, v, ctx)
 
 
 class GatedAttention(nn.Module):
@@ -141,8 +159,7 @@ class GatedAttention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.q_norm = norm_cls(head_dim, norm_eps)
         self.k_norm = norm_cls(head_dim, norm_eps)
-        # The attention core; sequence parallelism swaps in its all-to-all wrapper.
-        self.attend: Callable[..., torch.Tensor] = causal_attention
+        self.sequence_core: SequenceCore = local_core
 
     def init_weights(self, std: float, out_std: float) -> None:
         """``out_std`` is for ``wo``, which writes into the residual stream."""
@@ -151,22 +168,16 @@ class GatedAttention(nn.Module):
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None = None,
-        backend: Backend = "auto",
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, s, _ = x.shape
         q, gate = self.wq(x).view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), cos, sin)
+        q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), ctx.cos, ctx.sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        if cache is None:
-            out = self.attend(q, k, v, docs, backend=backend)
-        else:
-            out = cache.attend(q, k, v)
+        out = self.sequence_core(self, q, k, v, ctx)
         return self.wo(out.reshape(b, s, -1) * gate.reshape(b, s, -1).sigmoid())
+
+    def mix_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return attend(q, k, v, ctx)

@@ -8,6 +8,9 @@ subclass ``layers.args.DecoderArgs``; the default hooks read ``GQAArgs``' heads 
 ``attn_backend`` is a run-time choice, not part of the architecture: it never enters the
 state dict. Under sequence parallelism the decoder runs on a slice of each sequence and is
 told so by a ``SequenceShard`` argument.
+
+Each forward builds one ``ForwardContext`` (rotary tables, documents, backend, the slice, the
+KV cache) and hands every block its layer's view; blocks call their sublayers ``(x, ctx)``.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from temper.data.batch import SequenceShard
 from temper.kernels.attention import Backend, DocumentMask, prepare_documents
 from temper.models.layers.args import DecoderArgs
 from temper.models.layers.attention import Attention
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.init import depth_scaled_std
-from temper.models.layers.kv_cache import KVCache, LayerCache
+from temper.models.layers.kv_cache import KVCache
 from temper.models.layers.mlp import FeedForward
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
@@ -46,19 +50,9 @@ class Block(nn.Module):
         self.attention_norm = norm_cls(args.dim, args.norm_eps)
         self.ffn_norm = norm_cls(args.dim, args.norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None = None,
-        backend: Backend = "auto",
-        cache: LayerCache | None = None,
-        valid_len: int | None = None,
-    ) -> torch.Tensor:
-        """``valid_len``: each row's first tokens that are real, the rest padding (None: all)."""
-        h = x + self.attention(self.attention_norm(x), cos, sin, docs, backend, cache)
-        return h + self.feed_forward(self.ffn_norm(h), valid_len)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), ctx)
+        return h + self.feed_forward(self.ffn_norm(h), ctx)
 
 
 class Decoder(nn.Module):
@@ -175,28 +169,25 @@ class Decoder(nn.Module):
             position_ids = position_ids[None]
         cos, sin = self.rope(position_ids if rope_position_ids is None else rope_position_ids)
         h = self.tok_embeddings(input_ids) if embeddings is None else embeddings
-        seq_len, valid_len = input_ids.shape[1], None
-        if shard is not None:
-            seq_len, valid_len = shard.seq_len, shard.valid_len
         if cache is None:
             backend, docs = prepare_documents(
                 self.attn_backend,
                 docs,
                 h,
-                seq_len,
+                input_ids.shape[1] if shard is None else shard.seq_len,
                 window=self.sliding_window,
                 sinks=self.attention_sinks,
             )
-            caches: list[LayerCache | None] = [None] * len(self.layers)
+            ctx = ForwardContext(cos, sin, docs, backend, shard)
         elif docs is not None or shard is not None:
             raise ValueError(
                 "a KV cache decodes whole rows; packed documents and sequence-parallel slices "
                 "are for training"
             )
         else:
-            backend, caches = "sdpa", cache.extend(input_ids.shape[1])
-        for layer, layer_cache in zip(self.layers, caches, strict=True):
-            h = layer(h, cos, sin, docs, backend, layer_cache, valid_len)
+            ctx = ForwardContext(cos, sin, backend="sdpa", caches=tuple(cache.extend(h.shape[1])))
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx.layer(i))
         return self.norm(h)
 
     def forward(

@@ -8,25 +8,25 @@ by a group of ``n_v_heads / n_k_heads`` value heads; then RMSNorm gated by silu(
 head and the output projection.
 
 The convolution and the recurrence are the only steps that look across tokens, and both run
-in ``gated_delta_mix`` on whole sequences of some heads: sequence parallelism swaps ``mix``
-for its all-to-all wrapper, as it swaps attention's core. Packed documents are laid out one
-per row there (``DocumentRows``), so neither the convolution window nor the state crosses a
-document start.
+in ``gated_delta_mix`` on whole sequences of some heads (``mix_heads``, called through the
+layer's ``sequence_core``, which sequence parallelism wraps as it wraps attention's). Packed
+documents are laid out one per row there (``DocumentRows``), so neither the convolution
+window nor the state crosses a document start.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from temper.kernels.attention import Backend, DocumentMask
+from temper.kernels.attention import DocumentMask
 from temper.kernels.causal_conv import causal_conv
 from temper.kernels.gated_delta import gated_delta_rule, recurrent_gated_delta_rule
+from temper.models.layers.context import ForwardContext, SequenceCore, local_core
 from temper.models.layers.fused_linear import fused_linears
 from temper.models.layers.init import init_linear
 from temper.models.layers.kv_cache import LayerCache
@@ -38,8 +38,7 @@ Projections = tuple[torch.Tensor, ...]
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet with Qwen3.5's projections: ``wqkv`` (q, k, v, the convolution's channel
     order), ``wz``, ``wb``, ``wa``. ``GroupedGatedDeltaNet`` holds Qwen3-Next's fused layout.
-
-    The block calls it like attention (``cos``/``sin`` unused: the recurrence orders tokens)."""
+    It reads no rotary tables from the context: the recurrence orders the tokens."""
 
     def __init__(
         self,
@@ -64,8 +63,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(n_v_heads))
         self.norm = GatedRMSNorm(v_head_dim, norm_eps)
         self.wo = nn.Linear(self.value_dim, dim, bias=False)
-        # The cross-token core; sequence parallelism swaps in its all-to-all wrapper.
-        self.mix: Callable[..., torch.Tensor] = gated_delta_mix
+        self.sequence_core: SequenceCore = local_core
 
     def build_projections(self, dim: int) -> None:
         self.wqkv = nn.Linear(dim, 2 * self.key_dim + self.value_dim, bias=False)
@@ -107,22 +105,28 @@ class GatedDeltaNet(nn.Module):
         conv = torch.cat([w.chunk(parts)[part] for w in (w_q, w_k, w_v)])
         return conv, self.A_log.chunk(parts)[part], self.dt_bias.chunk(parts)[part]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None = None,
-        backend: Backend = "auto",
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
-        """``cache`` (decoding): continue from its convolution window and state; left-padding
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """A KV cache (decoding): continue from its convolution window and state; left-padding
         columns enter as zeros, which leave both as a fresh start would."""
-        if cache is not None:
-            x = x * cache.valid_columns(x.shape[1])[..., None].to(x.dtype)
+        if ctx.cache is not None:
+            x = x * ctx.cache.valid_columns(x.shape[1])[..., None].to(x.dtype)
         q, k, v, z, b, a = self.project(x)
-        out = self.mix(self, q, k, v, b, a, docs, cache)
+        out = self.sequence_core(self, q, k, v, ctx, b, a)
         return self.wo(self.norm(out, z).flatten(2))
+
+    def mix_heads(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        b: torch.Tensor,
+        a: torch.Tensor,
+    ) -> torch.Tensor:
+        """``gated_delta_mix`` on the heads' part ``ctx.head_part``; b, a [b, s, n_v']."""
+        return gated_delta_mix(
+            self, q, k, v, b, a, ctx.docs, ctx.cache, part=ctx.head_part, parts=ctx.head_parts
+        )
 
 
 class GroupedGatedDeltaNet(GatedDeltaNet):

@@ -1,14 +1,11 @@
 """Multi-head latent attention (DeepSeek V2/V3) on [batch, seq, heads, head_dim] tensors."""
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from temper.kernels.attention import Backend, DocumentMask
-from temper.models.layers.attention import causal_attention
+from temper.models.layers.attention import attend
+from temper.models.layers.context import ForwardContext, SequenceCore, local_core
 from temper.models.layers.init import init_linear
-from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
 
@@ -63,8 +60,7 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
-        # The attention core; sequence parallelism swaps in its all-to-all wrapper.
-        self.attend: Callable[..., torch.Tensor] = causal_attention
+        self.sequence_core: SequenceCore = local_core
 
     def init_weights(self, std: float, out_std: float) -> None:
         """``out_std`` is for ``wo``, which writes into the residual stream."""
@@ -102,21 +98,14 @@ class MLA(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(-1, -1, self.n_heads, -1)), dim=-1)
         return q, k, v, q_latent
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None = None,
-        backend: Backend = "auto",
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
-        """x [b, s, dim] and fp32 cos/sin [b, s, qk_rope_head_dim] -> [b, s, dim]; ``docs``
-        and ``backend`` as for ``causal_attention``; ``cache`` (decoding) keeps the expanded
-        per-head keys and values."""
-        q, k, v, _ = self.project(x, cos, sin)
-        if cache is None:
-            out = self.attend(q, k, v, docs, backend=backend, scale=self.softmax_scale)
-        else:
-            out = cache.attend(q, k, v, scale=self.softmax_scale)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [b, s, dim] -> [b, s, dim], with the fp32 rotary tables [b, s, qk_rope_head_dim]
+        of ``ctx``; a KV cache (decoding) keeps the expanded per-head keys and values."""
+        q, k, v, _ = self.project(x, ctx.cos, ctx.sin)
+        out = self.sequence_core(self, q, k, v, ctx)
         return self.wo(out.flatten(2))
+
+    def mix_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return attend(q, k, v, ctx, scale=self.softmax_scale)

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from temper.kernels.swiglu import swiglu
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.init import init_linear
 
 
@@ -22,7 +23,7 @@ class FeedForward(nn.Module):
         init_linear(self.w3, std)
         init_linear(self.w2, out_std)
 
-    def forward(self, x: torch.Tensor, valid_len: int | None = None) -> torch.Tensor:
-        """``valid_len`` (real tokens per row, as every block feed-forward takes it) changes
-        nothing here: each token is computed alone, padding or not."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """The block passes its context to every sublayer; each token here is computed alone,
+        so nothing in it matters."""
         return self.w2(swiglu(self.w1(x), self.w3(x)))

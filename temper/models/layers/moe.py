@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from temper.kernels.moe_permute import unpermute
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.experts import (
     ExpertDispatcher,
     GroupedExperts,
@@ -103,9 +104,10 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             init_linear(self.shared_gate, std)
 
-    def forward(self, x: torch.Tensor, valid_len: int | None = None) -> torch.Tensor:
-        """x [b, s, dim]; ``valid_len``: each row's first tokens that are real, the rest
-        right padding (sequence parallelism's), which the routing statistics leave out."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """x [b, s, dim]; the routing statistics leave out the right padding of a
+        sequence-parallel slice (after ``ctx.valid_len`` tokens of each row)."""
+        valid_len = None if ctx is None else ctx.valid_len
         tokens = x.reshape(-1, x.shape[-1])
         probs, weights, experts = self.router(tokens, self._replayed(x))
         if self.record is not None:

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from temper.data.batch import IGNORE_INDEX
-from temper.kernels.attention import Backend, DocumentMask
 from temper.kernels.cross_entropy import linear_log_probs
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.decoder import Block
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
@@ -48,18 +48,12 @@ class MultiTokenPredictor(nn.Module):
         self.block.feed_forward.init_weights(std, out_std)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        embedded: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None,
-        backend: Backend,
+        self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """hidden [b, s, dim] and the next tokens' embeddings [b, s, dim] -> this depth's
         hidden state [b, s, dim] (before ``norm``; the next depth's input)."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.block(x, cos, sin, docs, backend)
+        return self.block(x, ctx)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int) -> torch.Tensor:

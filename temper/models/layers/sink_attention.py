@@ -9,9 +9,8 @@ in ``temper.kernels.attention`` (every backend); this layer holds the parameter.
 import torch
 from torch import nn
 
-from temper.kernels.attention import Backend, DocumentMask
-from temper.models.layers.attention import Attention
-from temper.models.layers.kv_cache import LayerCache
+from temper.models.layers.attention import Attention, attend
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.rope import apply_rope
 
 
@@ -39,22 +38,17 @@ class SinkAttention(Attention):
         super().init_weights(std, out_std)
         nn.init.normal_(self.sinks, std=std)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None = None,
-        backend: Backend = "auto",
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, s, _ = x.shape
-        cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        cos, sin = ctx.cos * self.rope_scale, ctx.sin * self.rope_scale
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        if cache is None:
-            out = self.attend(q, k, v, docs, backend=backend, window=self.window, sinks=self.sinks)
-        else:
-            out = cache.attend(q, k, v, window=self.window, sinks=self.sinks)
+        out = self.sequence_core(self, q, k, v, ctx)
         return self.wo(out.reshape(b, s, -1))
+
+    def mix_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """With the sinks of the heads this part holds."""
+        return attend(q, k, v, ctx, window=self.window, sinks=ctx.heads(self.sinks))

@@ -28,15 +28,16 @@ them all (the warm-up, with the rest of the model frozen by the family).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from temper.kernels.attention import Backend, DocumentMask, attention, causal_band
+from temper.kernels.attention import causal_band
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.init import init_linear
-from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import apply_rope
 
@@ -145,9 +146,9 @@ class SparseMLA(MLA):
     """MLA whose queries attend only to the keys their ``indexer`` selects (DSA).
 
     The MLA projections and rotary are the parent's; the indexer reads its query latent, so
-    ``q_lora_rank`` is required. ``backend`` is ignored: the reference attention takes the
-    selection as an explicit mask, which only sdpa does. With ``indexer_training`` other than
-    ``off``, a training-mode forward leaves its ``indexer_kl`` (module docstring).
+    ``q_lora_rank`` is required. The context's ``backend`` is ignored: the reference attention
+    takes the selection as an explicit mask, which only sdpa does. With ``indexer_training``
+    other than ``off``, a training-mode forward leaves its ``indexer_kl`` (module docstring).
 
     ``selection``: where the layer leaves its choice for the layers after it, or, with
     ``own_indexer`` False (no indexer), where it takes the choice of the layer before.
@@ -215,18 +216,10 @@ class SparseMLA(MLA):
         if self.indexer is not None:
             self.indexer.init_weights(std)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None = None,
-        backend: Backend = "auto",
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """As ``MLA.forward``, each query restricted to its selected keys (to every visible
         key in ``dense_warmup``)."""
-        q, k, v, q_latent = self.project(x, cos, sin)
+        q, k, v, q_latent = self.project(x, ctx.cos, ctx.sin)
         assert q_latent is not None  # q_lora_rank is required in __init__'s signature
         if self.indexer is None:
             assert self.selection is not None  # __init__ requires it
@@ -235,13 +228,10 @@ class SparseMLA(MLA):
                 raise RuntimeError("a shared DSA layer runs after the layer it reuses")
             self.indexer_kl = None
         else:
-            chosen = self._choose(x, q_latent, q, k, cos, sin, docs, cache, self.indexer)
+            chosen = self._choose(x, q_latent, q, k, ctx, self.indexer)
             if self.selection is not None:
                 self.selection.chosen = chosen
-        if cache is not None:
-            out = cache.attend(q, k, v, scale=self.softmax_scale, chosen=chosen)
-        else:
-            out = attention(q, k, v, mask=chosen[:, None], scale=self.softmax_scale)
+        out = self.sequence_core(self, q, k, v, dataclasses.replace(ctx, selected=chosen))
         return self.wo(out.flatten(2))
 
     def _choose(
@@ -250,14 +240,12 @@ class SparseMLA(MLA):
         q_latent: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs: DocumentMask | None,
-        cache: LayerCache | None,
+        ctx: ForwardContext,
         indexer: LightningIndexer,
     ) -> torch.Tensor:
         """[b, s, t] True at the keys each query attends to; sets ``indexer_kl``."""
-        cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        cos, sin = ctx.cos * self.rope_scale, ctx.sin * self.rope_scale
+        docs, cache = ctx.docs, ctx.cache
         if cache is not None:
             visible = cache.visible()
         elif docs is not None:
