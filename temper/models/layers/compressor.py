@@ -30,7 +30,7 @@ from torch import nn
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
-from temper.models.layers.sparse_attention import select_top_k
+from temper.models.layers.sparse_attention import index_scores, select_top_k
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -103,18 +103,12 @@ class Compressor(nn.Module):
         )
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
-    """The lightning indexer's scores [b, s, t] in fp32: ``sum_j w[j] * relu(q[j] . k / sqrt(d))``
-    over the query heads j of q [b, s, h, d], keys [b, t, d], head weights [b, s, h]."""
-    logits = q.float() @ keys.float().transpose(1, 2).unsqueeze(1) * q.shape[-1] ** -0.5
-    return (head_weights.float().unsqueeze(-2) @ F.relu(logits)).squeeze(-2)
-
-
 class CompressedIndexer(nn.Module):
-    """CSA's lightning indexer: its own overlapping ``Compressor`` (at ``head_dim``) gives the
-    keys, the attention's query latent its ``n_heads`` query heads, and each query keeps the
-    ``topk`` best-scored entries it sees. The choice is discrete and computed without
-    gradient, as in transformers, so the language-model loss does not train the indexer."""
+    """CSA's lightning indexer, scoring as DSA's (``index_scores``): its own overlapping
+    ``Compressor`` (at ``head_dim``) gives the keys, the attention's query latent its
+    ``n_heads`` query heads, and each query keeps the ``topk`` best-scored entries it sees.
+    The choice is discrete and computed without gradient, as in transformers, so the
+    language-model loss does not train the indexer."""
 
     def __init__(
         self,
@@ -154,5 +148,4 @@ class CompressedIndexer(nn.Module):
         b, s, _ = x.shape
         keys = self.compressor(x, cos, sin)
         q = rope_tail(self.q_proj(q_latent).view(b, s, self.n_heads, self.head_dim), cos, sin)
-        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
-        return select_top_k(index_scores(q, keys, weights), visible, self.topk)
+        return select_top_k(index_scores(q, keys, x, self.weights_proj), visible, self.topk)

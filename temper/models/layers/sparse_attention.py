@@ -99,11 +99,20 @@ class LightningIndexer(nn.Module):
         rotary cos/sin [b, s, rope_dim]) over ``keys`` [b, t, head_dim]."""
         b, s, _ = x.shape
         q = self._rotate(self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim), cos, sin)
-        # [b, s, h, d] @ [b, 1, d, t]: every head's dot product with the one key head.
-        logits = q.float() @ keys.float().transpose(1, 2).unsqueeze(1) * self.head_dim**-0.5
-        # In fp32 whatever the compute dtype, as transformers keeps this projection.
-        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
-        return (weights.unsqueeze(-2) @ F.relu(logits)).squeeze(-2)
+        return index_scores(q, keys, x, self.weights_proj)
+
+
+def index_scores(
+    q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor, weights_proj: nn.Linear
+) -> torch.Tensor:
+    """``I[t, s]`` (module docstring) in fp32 [b, s, t] of the rotated query heads q
+    [b, s, h, d] over ``keys`` [b, t, d], the head weights ``weights_proj`` of x [b, s, dim]:
+    shared by DSA's indexer and DeepSeek V4's (``temper.models.layers.compressor``)."""
+    # [b, s, h, d] @ [b, 1, d, t]: every head's dot product with the one key head.
+    logits = q.float() @ keys.float().transpose(1, 2).unsqueeze(1) * q.shape[-1] ** -0.5
+    # In fp32 whatever the compute dtype, as transformers keeps this projection.
+    weights = F.linear(x.float(), weights_proj.weight.float()) * q.shape[2] ** -0.5
+    return (weights.unsqueeze(-2) @ F.relu(logits)).squeeze(-2)
 
 
 def select_top_k(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
