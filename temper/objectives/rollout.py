@@ -137,6 +137,10 @@ class RolloutSettings:
     """MoE only: record the experts each sampled token was routed to and route it so in the
     old log-probs' and every training forward of that rollout (R3); see
     docs/post-training.md."""
+    ignore_eos: bool = False
+    """Decode every completion to max_new_tokens: the end-of-turn and EOS tokens no longer end
+    it (they are sampled and trained as any token). For benchmarks that need equal work per
+    row (vLLM's and TRL's ignore_eos / min_new_tokens), not for training a policy."""
 
     @property
     def sampling_draws(self) -> int:
@@ -216,7 +220,7 @@ class RolloutSampler:
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
-        self.stop_tokens = stop_tokens
+        self.stop_tokens = set() if settings.ignore_eos else stop_tokens
         self.rewards: dict[str, Reward] = {name: get_reward(name) for name in settings.rewards}
         self.accuracy = get_reward(settings.accuracy_reward)
         """The reward reported as the ``accuracy`` metric."""

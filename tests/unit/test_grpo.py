@@ -204,6 +204,24 @@ def test_rollout_records_the_trainers_log_probs_and_the_loss_is_the_formula(fami
     )
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_decodes_every_completion_to_max_new_tokens(ignore_eos: bool) -> None:
+    """A policy that all but always says the end-of-turn token first: it ends every completion
+    after one token, unless objective.ignore_eos, when each row runs to max_new_tokens."""
+    torch.manual_seed(0)
+    model = materialize(build_model("llama3", "debug"), torch.device("cpu"))
+    stops = stop_token_ids(load_tokenizer(None), BUILTIN_TEMPLATE)
+    head = torch.nn.Linear(model.args.dim, model.args.vocab_size)
+    head.weight.data.copy_(model.output.weight)
+    head.bias.data.zero_()
+    head.bias.data[sorted(stops)] = 30.0
+    model.output = head
+    objective = _objective(ignore_eos=ignore_eos)
+    batch, _ = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
+    want = 8 if ignore_eos else 1
+    assert batch["completion_lengths"].tolist() == [want] * 8
+
+
 def test_batch_scale_divides_by_the_std_of_the_whole_steps_rewards() -> None:
     """advantage_scale batch: each micro-batch keeps its group-centred advantages until the
     step's rollout is drawn, then all are divided by the std of every reward of the step
