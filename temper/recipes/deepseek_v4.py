@@ -1,8 +1,8 @@
 """DeepSeek V4 recipes: plain functions returning a Config; derive by calling and editing.
 
-The family runs whole unpacked rows on one process or data-parallel FSDP (no sequence,
-context or expert parallelism, packed documents or generation yet; see docs/models.md), so
-its recipes train on plain text rows.
+The family runs whole unpacked rows under FSDP and expert parallelism (no sequence or
+context parallelism, packed documents or generation yet; see docs/models.md), so its recipes
+train on plain text rows.
 """
 
 from __future__ import annotations

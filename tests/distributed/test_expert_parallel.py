@@ -24,6 +24,7 @@ from temper.config import Config
 from temper.models import materialize, save_hf
 from temper.models.deepseek_v3 import FLAVORS, DeepseekV3Transformer
 from temper.recipes.deepseek_v3 import deepseek_v3_debug
+from temper.recipes.deepseek_v4 import deepseek_v4_debug
 from temper.recipes.qwen3 import qwen3_moe_debug
 from temper.recipes.qwen3_5 import qwen3_5_moe_debug
 
@@ -76,6 +77,8 @@ def _case(recipe: Callable[[], Config], layout: Layout, fast: bool = False) -> o
         _case(deepseek_v3_debug, EP2),
         _case(deepseek_v3_debug, EP2_EFSDP2, fast=True),
         _case(deepseek_v3_debug, EP2_EDP2),
+        # DeepSeek V4: hash-routed (layer 0) and top-k experts under EP and expert FSDP.
+        _case(deepseek_v4_debug, EP2_EFSDP2),
     ],
 )
 def test_expert_parallel_trains_like_one_process(

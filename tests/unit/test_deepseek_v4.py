@@ -148,6 +148,7 @@ def test_debug_flavor_trains_a_step_and_refuses_what_it_lacks() -> None:
     with pytest.raises(ValueError, match="positions 0..s-1"):
         model(ids, position_ids=positions)
     spec = get_model_spec("deepseek_v4")
-    for name in ("sp", "ep"):
+    spec.check_layout(args, Parallelism(ep=2))
+    for name in ("sp", "cp"):
         with pytest.raises(ConfigError, match=f"parallelism.{name} = 2"):
             spec.check_layout(args, Parallelism(**{name: 2}))

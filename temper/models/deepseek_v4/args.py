@@ -93,16 +93,16 @@ class DeepseekV4Args(MoEArgs, DecoderArgs):
 
 
 def check_v4_layout(args: DeepseekV4Args, parallelism: Parallelism) -> None:
-    """The decoder rule, and no sequence, context or expert parallelism yet: the compressors
-    and the indexer read whole sequences, and hash-routed experts have not been run under
-    expert parallelism (not built)."""
+    """The decoder rule (experts over ``ep``, hash-routed ones dispatched like top-k ones),
+    and no sequence or context parallelism yet: the compressors and the indexer read whole
+    sequences (not built)."""
     check_decoder_layout(args, parallelism)
-    for name in ("sp", "cp", "ep"):
+    for name in ("sp", "cp"):
         degree = getattr(parallelism, name)
         if degree > 1:
             raise ConfigError(
-                f"parallelism.{name} = {degree}: deepseek_v4 runs without sequence, context "
-                f"or expert parallelism for now; use {name} = 1"
+                f"parallelism.{name} = {degree}: deepseek_v4 runs without sequence or context "
+                f"parallelism for now; use {name} = 1"
             )
 
 
