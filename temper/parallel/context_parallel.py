@@ -12,10 +12,14 @@ local tokens, so ``SequenceShard.valid_len`` keeps it out of MoE routing statist
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
+from temper.config import Config, ConfigError, register_rule
 from temper.data.batch import (
     DOCUMENT_POSITIONS,
     IGNORE_INDEX,
@@ -25,7 +29,16 @@ from temper.data.batch import (
     pad_tokens,
 )
 from temper.kernels.ring_attention import load_balanced_indices
-from temper.parallel.ulysses import PAD_POSITION, PREFERENCE_SIDES, VISION_FIELDS
+from temper.models.layers.attention import Attention, GatedAttention
+from temper.models.layers.context import ForwardContext, SequenceMixer
+from temper.models.layers.mla import MLA
+from temper.models.layers.sink_attention import SinkAttention
+from temper.parallel.ulysses import PAD_POSITION, PREFERENCE_SIDES, VISION_FIELDS, sequence_mixers
+
+RING_MIXERS = (Attention, GatedAttention, MLA, SinkAttention)
+"""The token mixers whose cross-token step is softmax attention through ``attend``, which runs
+as ring attention under CP; any other kind (Gated DeltaNet, sparse or compressed attention) is
+refused, not run on part of each sequence."""
 
 
 def shard_batch(
@@ -104,8 +117,34 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return unshard(parts)
 
 
+class RingCore:
+    """A ``SequenceCore`` for CP: the mixer's own ``mix_heads`` with ``ctx.context_group`` set,
+    so its attention (``temper.models.layers.attention.attend``) runs as ring attention over
+    the group with the mixer's scale, window and sinks."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(
+        self,
+        mixer: SequenceMixer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        *heads: torch.Tensor,
+    ) -> torch.Tensor:
+        if ctx.cache is not None:
+            raise ValueError(
+                "parallelism.cp: a KV cache decodes whole rows; generate inside "
+                "temper.parallel.ulysses.whole_sequences (as RL rollouts do)"
+            )
+        return mixer.mix_heads(q, k, v, dataclasses.replace(ctx, context_group=self.group), *heads)
+
+
 class ContextParallel:
-    """One CP group: shards batches for its ranks (``shard``)."""
+    """One CP group: shards batches for its ranks (``shard``) and wires a decoder for them
+    (``apply``)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -115,3 +154,40 @@ class ContextParallel:
     def shard(self, batch: Batch) -> Batch:
         """This rank's tokens of ``batch`` (see ``shard_batch``)."""
         return shard_batch(batch, self.rank, self.size, self.group)
+
+    def apply(self, model: nn.Module) -> None:
+        """Route every token mixer's sequence core through ring attention. Runs on the meta
+        model, before any other wrapper; a mixer of another kind is refused."""
+        core = RingCore(self.group)
+        for mixer in sequence_mixers(model):
+            if type(mixer) not in RING_MIXERS:
+                raise ConfigError(
+                    f"parallelism.cp: {type(mixer).__name__} layers have no context-parallel "
+                    "form yet (ring attention covers softmax attention and MLA); use "
+                    "parallelism.sp"
+                )
+            mixer.sequence_core = core
+
+
+@register_rule
+def check_context_parallel(config: Config, world_size: int) -> None:
+    """What CP does not cover yet is refused by name before any work (the model's own layers
+    are checked by its family's layout rule and again by ``ContextParallel.apply``)."""
+    p = config.parallelism
+    if p.cp == 1:
+        return
+    refusals = {
+        "parallelism.sp": (p.sp > 1, "CP x Ulysses SP (2-D sequence parallelism) is not built"),
+        "objective.name": (
+            config.objective.name != "causal_lm",
+            f"only causal_lm trains under CP so far, not {config.objective.name!r}",
+        ),
+        "compile.enable": (config.compile.enable, "ring attention is not compiled yet"),
+        "optimizer.muon_qk_clip": (
+            config.optimizer.muon_qk_clip > 0,
+            "QK-clip's logit maximum needs whole sequences",
+        ),
+    }
+    for field, (refused, why) in refusals.items():
+        if refused:
+            raise ConfigError(f"parallelism.cp = {p.cp} with {field}: {why}")

@@ -154,9 +154,3 @@ def check_parallelism(config: Config, world_size: int) -> None:
             f"training.global_batch_size ({global_}) must be -1 or a positive multiple of "
             f"training.local_batch_size x data-parallel size ({local} x {dp} = {local * dp})"
         )
-    if config.parallelism.cp > 1:
-        raise ConfigError(
-            f"parallelism.cp ({config.parallelism.cp}): context parallelism's layout and ring "
-            "attention exist (temper.parallel.context_parallel) but are not wired into "
-            "training yet; use parallelism.sp"
-        )

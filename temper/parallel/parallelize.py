@@ -8,6 +8,7 @@ from torch import nn
 from temper.config import Config
 from temper.parallel.activation_checkpoint import apply_activation_checkpointing
 from temper.parallel.compile import apply_compile
+from temper.parallel.context_parallel import ContextParallel
 from temper.parallel.dims import Meshes
 from temper.parallel.expert import apply_expert_fsdp, apply_expert_parallel
 from temper.parallel.fsdp import apply_fsdp, mixed_precision, offload_policy
@@ -16,20 +17,23 @@ from temper.parallel.ulysses import SequenceParallel
 
 def parallelize_decoder(
     model: nn.Module, config: Config, meshes: Meshes | None, dtype: torch.dtype
-) -> SequenceParallel | None:
+) -> SequenceParallel | ContextParallel | None:
     """Activation checkpointing, then compile, per block; then FSDP2 when `meshes` is given.
 
     Runs on the meta model, before `materialize`. The order matters: compile traces the
     checkpointed forward, and FSDP wraps the result, keeping its hooks outside the compiled
     region. Expert parallelism comes first (experts sharded by expert over ``ep``), and its
     expert FSDP units wrap before the outer FSDP2, which then skips their parameters.
-    Sequence parallelism comes before all of them; its `SequenceParallel` is returned (None
-    without SP) for the trainer to slice batches with.
+    Sequence or context parallelism comes before all of them; its `SequenceParallel` or
+    `ContextParallel` is returned (None without either) for the trainer to shard batches with.
     `dtype` bfloat16 makes FSDP gather bf16 weights (fp32 masters, fp32 gradient reduction).
     """
-    sequence_parallel = None
+    sequence_parallel: SequenceParallel | ContextParallel | None = None
     if meshes is not None and meshes.world["sp"].size() > 1:
         sequence_parallel = SequenceParallel(meshes.world["sp"].get_group())
+    elif meshes is not None and meshes.world["cp"].size() > 1:
+        sequence_parallel = ContextParallel(meshes.world["cp"].get_group())
+    if sequence_parallel is not None:
         sequence_parallel.apply(model)
     blocks = list(model.layers)
     expert_mesh = meshes.expert if meshes is not None else None

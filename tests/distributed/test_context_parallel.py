@@ -8,16 +8,26 @@ and MLA's head sizes (v narrower than q/k, its own scale).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from harness import run_on_ranks
+from training import SINGLE, STEPS, Layout, assert_same_metrics, parity_config
+from training import train as train_layout
 
+from temper.config import Config, ConfigError
 from temper.data.batch import DOCUMENT_POSITIONS, SEQUENCE_SHARD
 from temper.kernels.attention import DocumentMask, attention
 from temper.parallel.context_parallel import shard_batch, unshard
 from temper.parallel.ulysses import PAD_POSITION
+from temper.recipes.deepseek_v3 import deepseek_v3_debug_mtp
+from temper.recipes.deepseek_v32 import deepseek_v32_debug
+from temper.recipes.llama3 import llama3_debug
+from temper.recipes.posttrain import dpo_debug
+from temper.recipes.qwen3_5 import qwen3_5_debug
 
 SEQ_LEN = 24
 DOCUMENTS = ([5, 9, 3, 7], [11, 11])
@@ -190,3 +200,125 @@ def test_layout_round_trips(size: int) -> None:
             assert info.seq_len == padded
             assert (shard[p + "input_ids"][:, : info.valid_len] != 0).all()
             assert (shard[p + "input_ids"][:, info.valid_len :] == 0).all()
+
+
+FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
+"""GQA with MoE routing statistics over real tokens; sinks and sliding windows; MLA."""
+
+
+@pytest.mark.slow
+def test_families_at_cp2_give_one_process_logits_loss_and_gradients() -> None:
+    """Each family's debug model wired for CP 2 on a packed batch of 21 tokens (documents of
+    5, 9 and 7, crossing the 6-token chunks; padded to 24): the real tokens' logits, the loss
+    (with the MoE load-balancing term) and every parameter's gradient (summed over the ranks,
+    as FSDP's reduce-scatter does) equal one process's on the unpadded batch."""
+    for family, (got, want) in zip(FAMILIES, run_on_ranks(_family_rank, 2)[0], strict=True):
+        torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), family
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, grad in got["grads"].items():
+            scale = want["grads"][name].abs().max().item()
+            torch.testing.assert_close(
+                grad, want["grads"][name], rtol=1e-5, atol=1e-5 * scale, msg=f"{family} {name}"
+            )
+
+
+def _family_rank() -> list[tuple[dict[str, object], dict[str, object]]] | None:
+    import torch.distributed as dist
+
+    from temper.data.batch import SEQUENCE_SHARD
+    from temper.models import build_model, materialize
+    from temper.objectives import CausalLM
+    from temper.objectives.causal_lm import documents
+    from temper.parallel.context_parallel import ContextParallel, gather_sequence
+    from temper.parallel.ulysses import whole_sequences
+    from temper.utils.device import init_runtime
+
+    init_runtime()
+    group = dist.group.WORLD
+    cp = ContextParallel(group)
+    ids = torch.randint(1, 1000, (2, 21), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in (5, 9, 7)]).expand(2, 21)
+    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1), "position_ids": positions}
+    shard = cp.shard(batch)
+
+    def run(model: torch.nn.Module, rows: dict[str, object], split: bool) -> dict[str, object]:
+        """Loss, gradients and logits; ``split``: the rows are this rank's CP part."""
+        model.zero_grad(set_to_none=True)
+        loss, _, _ = CausalLM().loss(model, rows)
+        loss.backward()
+        with torch.no_grad():
+            args = (rows["input_ids"], rows["position_ids"], documents(rows))
+            logits = model(*args, shard=rows.get(SEQUENCE_SHARD))
+        grads = {}
+        for name, p in model.named_parameters():
+            grads[name] = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+            if split:
+                dist.all_reduce(grads[name])
+        if split:
+            dist.all_reduce(loss)
+            logits = gather_sequence(logits, group)[:, :21]
+        return {"logits": logits, "loss": loss.item(), "grads": grads}
+
+    results = []
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        model = build_model(family, "debug")
+        cp.apply(model)
+        model = materialize(model, "cpu")
+        with whole_sequences(model):  # the same weights on one rank's whole rows
+            want = run(model, batch, split=False)
+        results.append((run(model, shard, split=True), want))
+    return results if dist.get_rank() == 0 else None
+
+
+CP2 = Layout("cp2", world=2, local_batch=4, parallelism={"cp": 2})
+
+
+@pytest.mark.slow
+def test_llama3_trains_at_cp2_like_one_process(tmp_path: Path) -> None:
+    """llama3_debug through the trainer at CP 2 (its 2 ranks also FSDP's shard group) on
+    packed rows of 30 tokens (``data.isolate_documents``: positions restart at each document;
+    some rows hold a second document from token 25, inside rank 0's last chunk; padded to 32
+    for 2 x 2 chunks of 8): every step's loss and gradient norm within 1e-5 of one process
+    accumulating the same global batch."""
+    runs = {}
+    for layout in (SINGLE, CP2):
+        config = parity_config(llama3_debug, tmp_path, layout)
+        config.training.seq_len = 30
+        config.data.isolate_documents = True
+        runs[layout.name] = train_layout(config, layout)
+    assert len(runs["cp2"].rows) == STEPS
+    assert_same_metrics(runs["cp2"].rows, runs["single"].rows)
+
+
+def _with(recipe: Callable[[], Config], **fields: object) -> Config:
+    config = recipe()
+    config.parallelism.cp = 2
+    for path, value in fields.items():
+        section, name = path.split("__")
+        setattr(getattr(config, section), name, value)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("config", "world", "message"),
+    [
+        (_with(llama3_debug, parallelism__sp=2), 4, "cp = 2 with parallelism.sp: CP x Ulysses"),
+        (_with(llama3_debug, compile__enable=True), 2, "cp = 2 with compile.enable"),
+        (_with(dpo_debug), 2, "cp = 2 with objective.name: only causal_lm"),
+        (_with(qwen3_5_debug), 2, "parallelism.cp = 2: Gated DeltaNet layers"),
+        (_with(deepseek_v3_debug_mtp), 2, r"parallelism.cp > 1 with model.mtp_depth > 0"),
+        (_with(deepseek_v32_debug), 2, "parallelism.cp = 2: DeepSeek sparse attention"),
+    ],
+    ids=["sp", "compile", "dpo", "gated_deltanet", "mtp", "dsa"],
+)
+def test_paths_not_built_are_refused_naming_parallelism_cp(
+    config: Config, world: int, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config.validate(world_size=world)
+    config.parallelism.cp = 1
+    config.parallelism.sp = 1
+    config.compile.enable = False
+    config.validate(world_size=world)  # the same run without CP is valid

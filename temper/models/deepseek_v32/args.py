@@ -69,13 +69,15 @@ def with_indexer(
 
 
 def check_dsa_layout(args: DeepseekV32Args, parallelism: Parallelism) -> None:
-    """The decoder rule (experts over EP), and no sequence parallelism: the indexer scores a
-    query against every earlier key, which a Ulysses slice does not hold (not built yet)."""
+    """The decoder rule (experts over EP, heads over SP: under Ulysses each rank's indexer
+    scores its slice's queries against the whole sequence's keys, gathered), and no context
+    parallelism: a ring passes key blocks along, which the indexer's top-k over every earlier
+    key of a query does not fit (not built yet)."""
     check_decoder_layout(args, parallelism)
-    if parallelism.sp > 1:
+    if parallelism.cp > 1:
         raise ConfigError(
-            f"parallelism.sp = {parallelism.sp}: DeepSeek sparse attention runs without "
-            "sequence parallelism for now; use sp = 1"
+            f"parallelism.cp = {parallelism.cp}: DeepSeek sparse attention runs without "
+            "context parallelism for now; use cp = 1 (sequence parallelism, sp, works)"
         )
 
 

@@ -3,7 +3,8 @@
 ``causal_attention(q, k, v, docs=None, *, backend="auto", scale=None)`` is the dispatcher of
 ``temper.kernels.attention``: causal, or block-causal over the packed documents of a
 ``DocumentMask``, through sdpa, flex or varlen. ``attend`` is every attention layer's
-cross-token step (``mix_heads``): that dispatcher, or the KV cache while decoding.
+cross-token step (``mix_heads``): that dispatcher, ring attention under context parallelism,
+or the KV cache while decoding.
 """
 
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from torch import nn
 
 from temper.kernels.attention import DocumentMask
 from temper.kernels.attention import attention as causal_attention
+from temper.kernels.ring_attention import ring_attention
 from temper.models.layers.context import ForwardContext, SequenceCore, local_core
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
@@ -32,8 +34,13 @@ def attend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [b, s, h, d] over k, v [b, s, h_kv, d(_v)] as ``ctx`` says: causal or block-causal
-    over ``ctx.docs`` on ``ctx.backend``; restricted to ``ctx.selected`` (sparse attention,
-    on sdpa); or, decoding, over every key in ``ctx.cache`` after storing these."""
+    over ``ctx.docs`` on ``ctx.backend``, or as ring attention over ``ctx.context_group``;
+    restricted to ``ctx.selected`` (sparse attention, on sdpa); or, decoding, over every key
+    in ``ctx.cache`` after storing these."""
+    if ctx.context_group is not None:
+        return ring_attention(
+            q, k, v, ctx.docs, ctx.context_group, scale=scale, window=window, sinks=sinks
+        )
     if ctx.cache is not None:
         return ctx.cache.attend(
             q, k, v, scale=scale, window=window, sinks=sinks, chosen=ctx.selected

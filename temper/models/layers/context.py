@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch.distributed import ProcessGroup
 
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import Backend, DocumentMask
@@ -47,6 +48,9 @@ class ForwardContext:
     """Which of ``head_parts`` contiguous parts of a mixer's heads ``mix_heads`` runs on: a
     sequence core that splits heads over ranks sets both (per-head weights follow)."""
     head_parts: int = 1
+    context_group: ProcessGroup | None = None
+    """Set by context parallelism's sequence core: the tokens are this rank's load-balanced
+    part of each sequence, and attention runs as ring attention over this group."""
     selected: torch.Tensor | None = None
     """[b, s, s] True at the keys each query of the whole sequence attends to: sparse
     attention's top-k choice (DeepSeek V3.2), set by that layer for its ``mix_heads``."""
