@@ -5,7 +5,7 @@ Importing this package loads every built-in component, so every built-in config 
 objective is registered."""
 
 import temper.components  # noqa: F401, I001  (every built-in config rule, in order)
-from temper.engine.checkpointing import Stateful
+from temper.engine.checkpointing import Stateful, StepShaped
 from temper.engine.engine import (
     Engine,
     NonFiniteError,
@@ -19,6 +19,7 @@ __all__ = [
     "Engine",
     "NonFiniteError",
     "Stateful",
+    "StepShaped",
     "build_meta_model",
     "build_run_model",
     "load_run_tokenizer",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -38,11 +38,26 @@ from temper.data.chat import load_chat_template
 
 class Stateful(Protocol):
     """What a loop hands the engine to checkpoint beside the model: its own state (step,
-    data position, ...) as a dict of tensors, numbers and nested dicts."""
+    data position, ...) as a dict of tensors, numbers and nested dicts. A load fills the
+    tensors of ``state_dict()`` (or of ``load_skeleton``, ``StepShaped``) in place."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class StepShaped(Stateful, Protocol):
+    """A Stateful whose saved tensors depend on the step saved (the Trainer's holds an RL
+    rollout between two of its updates): a checkpoint of ``step`` is loaded into
+    ``load_skeleton(step)``, so nothing about the object must be set before the load."""
+
+    def load_skeleton(self, step: int) -> dict[str, Any]: ...
+
+
+def load_skeleton(extra: Stateful, step: int) -> dict[str, Any]:
+    """The state a checkpoint of ``step`` loads ``extra`` from: tensors shaped as saved."""
+    return extra.load_skeleton(step) if isinstance(extra, StepShaped) else extra.state_dict()
 
 
 class TrainCheckpointer:
@@ -114,7 +129,8 @@ class TrainCheckpointer:
         """Resume the run as `check` found it; returns the step resumed, None when there is
         nothing to resume."""
         if self._resume_step is not None:
-            state = self._state(model, optimizer, lr_scheduler, extra)
+            skeleton = None if extra is None else load_skeleton(extra, self._resume_step)
+            state = self._state(model, optimizer, lr_scheduler, skeleton)
             state = self.manager.load(self._resume_step, state)
             set_state_dict(
                 model,
@@ -143,7 +159,8 @@ class TrainCheckpointer:
         metadata: dict[str, Any],
     ) -> None:
         """Write step ``step`` (asynchronously with ``checkpoint.async_mode``)."""
-        state = self._state(model, optimizer, lr_scheduler, extra)
+        extra_state = None if extra is None else extra.state_dict()
+        state = self._state(model, optimizer, lr_scheduler, extra_state)
         self.manager.save(step, state, self.metadata(model, step, metadata), self.tokenizer_files)
 
     def wait(self) -> None:
@@ -152,7 +169,10 @@ class TrainCheckpointer:
 
     @staticmethod
     def _state(
-        model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: Any
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        extra: dict[str, Any] | None,
     ) -> dict[str, Any]:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {
@@ -162,7 +182,7 @@ class TrainCheckpointer:
             "rng": rng_state(),
         }
         if extra is not None:
-            state["extra"] = extra.state_dict()
+            state["extra"] = extra
         return state
 
     def metadata(self, model: nn.Module, step: int, extra: dict[str, Any]) -> dict[str, Any]:

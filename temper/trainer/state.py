@@ -16,8 +16,8 @@ from temper.trainer.rollout_buffer import Rollout, restore_rollout, rollout_stat
 
 class TrainState:
     """Step, tokens seen, the run's counts (``RunCounts``' totals over the data ranks), the
-    loader's position and the current rollout: a ``Stateful`` that ``Engine.save`` writes and
-    ``Engine.load`` restores.
+    loader's position and the current rollout: a ``StepShaped`` Stateful that ``Engine.save``
+    writes and ``Engine.load`` restores.
 
     Each data rank holds its own lanes of the stream; saving gathers them all, so the saved
     position resumes at any data-parallel size (``temper.data.stream``).
@@ -25,9 +25,10 @@ class TrainState:
     ``rollout`` (the micro-batches of the current RL rollout and their metrics) is kept for
     the ``updates_per_rollout`` steps that train on it. A checkpoint taken between two of
     them holds it (``temper.trainer.rollout_buffer``), so the resumed run trains on the same
-    rollout. Loading one needs ``step`` set to the step being resumed beforehand, and
-    ``rollout_template`` (zeros shaped like one rollout's micro-batches at full width) to
-    load it into. ``skipped`` lists the steps skipped for a non-finite loss or gradient norm
+    rollout. What a checkpoint is loaded into is ``load_skeleton(step)`` of the step saved,
+    built from ``rollout_template`` (zeros shaped like one rollout's micro-batches at full
+    width), not from this state's own step: a fresh state loads any checkpoint.
+    ``skipped`` lists the steps skipped for a non-finite loss or gradient norm
     (``training.skip_nonfinite``); a resumed run keeps counting them.
     """
 
@@ -52,12 +53,28 @@ class TrainState:
         self.rollout_template = rollout_template
         self.rollout_width = rollout_width
 
-    def mid_rollout(self) -> bool:
-        """The next step trains on the current rollout (so a checkpoint must hold it)."""
-        return self.rollout_template is not None and self.step % self.updates_per_rollout != 0
+    def mid_rollout(self, step: int) -> bool:
+        """Step ``step`` is followed by another update on the same rollout (so a checkpoint of
+        it holds the rollout)."""
+        return self.rollout_template is not None and step % self.updates_per_rollout != 0
 
     def state_dict(self) -> dict[str, Any]:
-        state = {
+        state = self._position()
+        if self.mid_rollout(self.step):
+            state["rollout"] = rollout_state(*self.rollout, self.rollout_width)
+        return state
+
+    def load_skeleton(self, step: int) -> dict[str, Any]:
+        """What a checkpoint of ``step`` is loaded into: its saved tensors' shapes (the
+        rollout's zeros when that step held one), whatever this state's own step is."""
+        skeleton = self._position()
+        if self.mid_rollout(step):
+            skeleton["rollout"] = rollout_state(self.rollout_template(), None, self.rollout_width)
+        return skeleton
+
+    def _position(self) -> dict[str, Any]:
+        """Where the run is: the data position (every data rank's lanes) and the counters."""
+        return {
             "dataloader": merge_states(all_gather_objects(self.loader.state_dict())),
             "train_state": {
                 "step": self.step,
@@ -66,12 +83,6 @@ class TrainState:
                 "run_counts": self.counts.totals(self.sum_counts(self.counts.local)),
             },
         }
-        if self.mid_rollout():
-            if self.rollout is None:  # loading: the shapes to fill
-                state["rollout"] = rollout_state(self.rollout_template(), None, self.rollout_width)
-            else:
-                state["rollout"] = rollout_state(*self.rollout, self.rollout_width)
-        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["dataloader"])

@@ -76,9 +76,7 @@ class Trainer:
         self.state = self._train_state()
         sampler = self.driver.sampler if self.driver is not None else None
         self.validation = build_validation(config, engine, self.objective, self.grad_accum, sampler)
-        # The step to resume first: whether the checkpoint holds a rollout depends on it.
-        self.state.step = engine.checkpointer.resume_step or 0
-        self.state.step = engine.load(self.state) or 0
+        engine.load(self.state)  # a resumed run's step, data position and rollout
         self.start_step = self.state.step
         self.metrics = MetricsLogger(
             config.job.dump_folder,
