@@ -1,8 +1,7 @@
 """DeepSeek V4 recipes: plain functions returning a Config; derive by calling and editing.
 
-The family runs whole unpacked rows under FSDP and expert parallelism (no sequence or
-context parallelism, packed documents or generation yet; see docs/models.md), so its recipes
-train on plain text rows.
+The family trains whole rows (packed or not) under FSDP and expert parallelism; sequence and
+context parallelism and generation are not built yet (docs/models.md).
 """
 
 from __future__ import annotations

@@ -14,12 +14,7 @@ from torch import nn
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from temper.models.layers.compressor import (
-    CompressedIndexer,
-    Compressor,
-    compressed_visible,
-    rope_tail,
-)
+from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows, rope_tail
 from temper.models.layers.grouped_linear import GroupedLinear
 from temper.models.layers.hyper_connections import HyperConnection, HyperHead, residual
 from temper.models.layers.rope import YarnScaling, rope_cos_sin, rope_inv_freq
@@ -209,14 +204,29 @@ def test_hca_compressor_matches_transformers() -> None:
         ),
         positions,
     )
-    entries = ours(x, cos, sin)
+    windows = Windows.of(positions, torch.zeros_like(positions), 8)
+    entries = ours(x, cos, sin, windows)
     assert entries.shape == (2, 3, 16)
     assert max_rel_err(entries, hf_entries[:, 0]) < 1e-6
-    assert torch.equal(compressed_visible(positions, 3, 8), bias[:, 0] == 0)
+    assert torch.equal(windows.visible(), bias[:, 0] == 0)
     probe = torch.randn_like(entries)
     (hf_entries[:, 0] * probe).sum().backward()
     (entries * probe).sum().backward()
     _check_grads(ours, theirs, names)
+
+
+def test_packed_documents_compress_apart() -> None:
+    """A row packing documents of 11 and 13 tokens: each document's windows start at its own
+    first token (a partial window at a document's end is dropped, not joined to the next
+    document's tokens), and its queries see only its own entries."""
+    positions = torch.cat((torch.arange(11), torch.arange(13)))[None]
+    doc_ids = torch.cat((torch.zeros(11), torch.ones(13))).long()[None]
+    windows = Windows.of(positions, doc_ids, 4)
+    assert windows.starts.tolist() == [[0, 4, 11, 15, 19]]
+    assert windows.has_previous.tolist() == [[False, True, False, True, True]]
+    # The query at token 14 (position 3 of document 1) sees its first window only.
+    assert windows.visible()[0, 14].tolist() == [False, False, True, False, False]
+    assert windows.visible()[0, 10].tolist() == [True, True, False, False, False]
 
 
 def test_csa_compressor_and_indexer_match_transformers() -> None:
@@ -236,9 +246,10 @@ def test_csa_compressor_and_indexer_match_transformers() -> None:
     positions = torch.arange(SEQ)[None].expand(2, -1)
     hf_entries, bias = theirs(x, q_latent, positions, None, 0)
     cos, sin = _compress_rope()
-    entries = compressor(x, cos, sin)
-    visible = compressed_visible(positions, SEQ // 4, 4)
-    chosen = indexer(x, q_latent, cos, sin, visible)
+    windows = Windows.of(positions, torch.zeros_like(positions), 4)
+    entries = compressor(x, cos, sin, windows)
+    visible = windows.visible()
+    chosen = indexer(x, q_latent, cos, sin, windows)
     assert max_rel_err(entries, hf_entries[:, 0]) < 1e-6
     assert torch.equal(chosen, bias[:, 0] == 0)
     # The last queries see 6 entries and keep 3: the choice decides.

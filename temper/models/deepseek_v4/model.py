@@ -2,7 +2,7 @@
 compressed attention and mixture of experts (hash-routed or top-k, plus a shared expert), a
 hyper head collapsing the streams before the final norm.
 
-Whole unpacked sequences only for now: packed documents, KV caches (generation) and
+Whole rows, packed or not (documents attend and compress apart); KV caches (generation) and
 sequence-parallel slices are refused by name, and there are no multi-token-prediction depths.
 """
 
@@ -15,7 +15,7 @@ from temper.data.batch import SequenceShard
 from temper.kernels.attention import DocumentMask
 from temper.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
 from temper.models.layers.compressed_attention import CompressedAttention
-from temper.models.layers.compressor import CompressedIndexer, Compressor
+from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows
 from temper.models.layers.decoder import INIT_STD
 from temper.models.layers.experts import GroupedExperts, limited_swiglu
 from temper.models.layers.hyper_connections import HyperConnection, HyperHead, residual
@@ -83,9 +83,17 @@ class DeepseekV4Block(nn.Module):
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
 
-    def forward(self, streams: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        streams: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        doc_ids: torch.Tensor,
+        windows: Windows | None,
+    ) -> torch.Tensor:
         x, post, comb = self.attention_hc(streams)
-        streams = residual(streams, self.attention(self.attention_norm(x), cos, sin), post, comb)
+        out = self.attention(self.attention_norm(x), cos, sin, doc_ids, windows)
+        streams = residual(streams, out, post, comb)
         x, post, comb = self.ffn_hc(streams)
         h = self.ffn_norm(x)
         return residual(streams, self.feed_forward(h) + self.shared_experts(h), post, comb)
@@ -199,9 +207,9 @@ class DeepseekV4Transformer(nn.Module):
         cache: KVCache | None = None,
         shard: SequenceShard | None = None,
     ) -> torch.Tensor:
-        """Final-norm output [b, s, dim] of whole rows of token ids [b, s], each one causal
-        sequence at positions 0..s-1 (packed ``docs``, a ``cache`` and a ``shard`` are
-        refused: not built for V4 yet)."""
+        """Final-norm output [b, s, dim] of whole rows of token ids [b, s] at ``position_ids``
+        (default 0..s-1); ``docs`` (or, without it, restarts in ``position_ids``) keeps packed
+        documents apart. A ``cache`` and a ``shard`` are refused: not built for V4 yet."""
         return self._hidden_states(input_ids, position_ids, docs, cache, shard)
 
     def _hidden_states(
@@ -213,28 +221,36 @@ class DeepseekV4Transformer(nn.Module):
         shard: SequenceShard | None,
     ) -> torch.Tensor:
         """The body ``forward`` calls too (FSDP2 wraps the public method in its root hooks)."""
-        for name, given in (("docs", docs), ("cache", cache), ("shard", shard)):
+        for name, given in (("cache", cache), ("shard", shard)):
             if given is not None:
                 raise ValueError(
-                    f"deepseek_v4 runs whole unpacked rows only: {name} (packed documents, KV "
-                    "cache decoding, sequence-parallel slices) is not supported yet"
+                    f"deepseek_v4 runs whole rows only: {name} (KV cache decoding, "
+                    "sequence-parallel slices) is not supported yet"
                 )
         clear_routing(self)
         b, s = input_ids.shape
-        positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        if position_ids is not None and not torch.equal(position_ids.expand(b, s), positions):
-            raise ValueError("deepseek_v4 takes positions 0..s-1 per row (no packed documents)")
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device)[None]
+        positions = position_ids.expand(b, s)
+        if docs is None:
+            docs = DocumentMask.from_position_ids(positions)
         rotary = {
             SLIDING: rope_cos_sin(self.inv_freq, positions),
             CSA: rope_cos_sin(self.compress_inv_freq, positions),
         }
         rotary[HCA] = rotary[CSA]
+        ratios = {SLIDING: None, CSA: self.args.csa_ratio, HCA: self.args.hca_ratio}
+        windows = {
+            kind: None if ratio is None else Windows.of(positions, docs.doc_ids, ratio)
+            for kind, ratio in ratios.items()
+            if kind in self.args.layer_types
+        }
         for router in self._hash_routers():
             router.token_ids = input_ids
         h = self.tok_embeddings(input_ids)
         streams = h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
         for layer, kind in zip(self.layers, self.args.layer_types, strict=True):
-            streams = layer(streams, *rotary[kind])
+            streams = layer(streams, *rotary[kind], docs.doc_ids, windows[kind])
         return self.norm(self.hc_head(streams))
 
     def forward(

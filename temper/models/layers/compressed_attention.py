@@ -12,8 +12,8 @@ value's contribution a function of the distance to the query. A sliding layer at
 its ``window`` only; an HCA layer also to every completed compressed entry; a CSA layer to the
 ``topk`` entries its indexer picks. Each head has a learned sink logit.
 
-The reference runs on sdpa with an explicit mask, whole sequences, no packed documents and no
-cache (``temper.models.deepseek_v4`` refuses those).
+The reference runs on sdpa with an explicit mask, on whole rows (packed documents attend and
+compress apart), without a cache (``temper.models.deepseek_v4`` refuses one).
 """
 
 from __future__ import annotations
@@ -22,12 +22,7 @@ import torch
 from torch import nn
 
 from temper.kernels.attention import attention, causal_band
-from temper.models.layers.compressor import (
-    CompressedIndexer,
-    Compressor,
-    compressed_visible,
-    rope_tail,
-)
+from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows, rope_tail
 from temper.models.layers.grouped_linear import GroupedLinear
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
@@ -84,22 +79,33 @@ class CompressedAttention(nn.Module):
             if part is not None:
                 part.init_weights(std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [b, s, dim] of whole sequences; cos/sin [b, s, rope_dim] of the layer's rotary
-        at positions 0..s-1 (a compressed entry reads its window's first)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        doc_ids: torch.Tensor,
+        windows: Windows | None = None,
+    ) -> torch.Tensor:
+        """x [b, s, dim] of whole rows, its tokens in documents ``doc_ids`` [b, s] (packed
+        ones attend apart); cos/sin [b, s, rope_dim] of the layer's rotary at each token's
+        position in its document; ``windows`` of the compressor's ratio, in compressed
+        layers."""
         b, s, _ = x.shape
         q_latent = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.norm_eps).to(q.dtype)
         q = rope_tail(q, cos, sin)
         kv = rope_tail(self.kv_norm(self.wkv(x)).unsqueeze(2), cos, sin)
-        sees = causal_band(s, s, self.window, x.device).expand(b, s, s)
+        sees = causal_band(s, s, self.window, x.device) & (doc_ids[:, :, None] == doc_ids[:, None])
         if self.compressor is not None:
-            entries = self.compressor(x, cos, sin)
-            positions = torch.arange(s, device=x.device).expand(b, s)
-            seen = compressed_visible(positions, entries.shape[1], self.compressor.ratio)
-            if self.indexer is not None:
-                seen = self.indexer(x, q_latent, cos, sin, seen)
+            if windows is None or windows.ratio != self.compressor.ratio:
+                raise ValueError(f"a compressed layer needs its windows of {self.compressor.ratio}")
+            entries = self.compressor(x, cos, sin, windows)
+            if self.indexer is None:
+                seen = windows.visible()
+            else:
+                seen = self.indexer(x, q_latent, cos, sin, windows)
             kv = torch.cat((kv, entries.unsqueeze(2)), dim=1)
             sees = torch.cat((sees, seen), dim=-1)
         out = attention(q, kv, kv, mask=sees[:, None], scale=self.head_dim**-0.5, sinks=self.sinks)

@@ -14,17 +14,18 @@ first half of window w - 1's features and the second half of window w's. CSA's q
 read only the ``topk`` entries its ``CompressedIndexer`` scores best.
 
 A query at position p sees entry w once the window is complete, ``(w + 1) * ratio <= p + 1``
-(``compressed_visible``). Rotary pairs are interleaved (2i, 2i + 1) on the last ``rope_dim``
-dims of each head, DeepSeek V4's layout, kept as is (``rope_tail``), since V4 reads its keys as
-values too.
+(``Windows.visible``); packed documents compress apart, each as it would alone. Rotary pairs
+are interleaved (2i, 2i + 1) on the last ``rope_dim`` dims of each head, DeepSeek V4's
+layout, kept as is (``rope_tail``), since V4 reads its keys as values too.
 
-This is the reference, for whole sequences without a cache.
+This is the reference, for whole rows (packed or not) without a cache.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from temper.models.layers.init import init_linear
@@ -42,11 +43,58 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat((x[..., :-r], turned), dim=-1)
 
 
-def compressed_visible(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
-    """[b, s, n_entries] True where the query at ``positions`` [b, s] sees the entry: its
-    window of ``ratio`` tokens has ended at or before the query."""
-    entries = torch.arange(n_entries, device=positions.device)
-    return entries < torch.div(positions + 1, ratio, rounding_mode="floor").unsqueeze(-1)
+@dataclass(frozen=True)
+class Windows:
+    """The complete windows of ``ratio`` tokens of a forward's rows [b, s]: a window starts
+    where a token's position in its document is a multiple of ``ratio`` and the document
+    holds the next ``ratio - 1`` tokens too, so packed documents compress on their own, as
+    each would alone. Rows hold ``n`` windows at most; the others' slots are not ``valid``."""
+
+    ratio: int
+    starts: torch.Tensor
+    """[b, n] the token index of each window's first token (0 in slots not ``valid``)."""
+    valid: torch.Tensor
+    """[b, n] bool."""
+    has_previous: torch.Tensor
+    """[b, n] bool: the window follows another of its document (CSA's overlap reads it)."""
+    positions: torch.Tensor
+    """[b, s] each token's position in its document."""
+    doc_ids: torch.Tensor
+    """[b, s] each token's document."""
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, doc_ids: torch.Tensor, ratio: int) -> Windows:
+        """The windows of rows whose tokens sit at ``positions`` in documents ``doc_ids``
+        (both [b, s]); syncs once with the device (for ``n``)."""
+        b, s = positions.shape
+        ends_in_doc = torch.zeros_like(doc_ids, dtype=torch.bool)
+        if s >= ratio:
+            fits = s - ratio + 1
+            ends_in_doc[:, :fits] = doc_ids[:, ratio - 1 :] == doc_ids[:, :fits]
+        starts_here = (positions % ratio == 0) & ends_in_doc
+        counts = starts_here.sum(dim=1)
+        n = int(counts.max()) if b else 0
+        # Stable: the start tokens first, in row order.
+        starts = (~starts_here).to(torch.uint8).sort(dim=1, stable=True).indices[:, :n]
+        valid = torch.arange(n, device=positions.device) < counts[:, None]
+        starts = starts.masked_fill(~valid, 0)
+        has_previous = valid & (positions.gather(1, starts) >= ratio)
+        return cls(ratio, starts, valid, has_previous, positions, doc_ids)
+
+    def visible(self) -> torch.Tensor:
+        """[b, s, n] True where a query sees a window's entry: a valid one of its own document
+        that has ended at or before the query."""
+        first = self.positions.gather(1, self.starts)
+        same_doc = self.doc_ids.unsqueeze(2) == self.doc_ids.gather(1, self.starts).unsqueeze(1)
+        ended = first.unsqueeze(1) + self.ratio <= self.positions.unsqueeze(2) + 1
+        return same_doc & ended & self.valid.unsqueeze(1)
+
+    def gather(self, x: torch.Tensor, back: int = 0) -> torch.Tensor:
+        """x [b, s, w] -> [b, n, ratio, w]: each window's tokens (``back`` windows earlier)."""
+        b, n = self.starts.shape
+        tokens = self.starts.unsqueeze(-1) + torch.arange(self.ratio, device=x.device)
+        tokens = (tokens - back * self.ratio).clamp(0, x.shape[1] - 1).view(b, -1, 1)
+        return x.gather(1, tokens.expand(-1, -1, x.shape[-1])).view(b, n, self.ratio, -1)
 
 
 class Compressor(nn.Module):
@@ -72,35 +120,30 @@ class Compressor(nn.Module):
         nn.init.zeros_(self.position_bias)
         self.kv_norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The entries [b, s // ratio, head_dim] of x's complete windows; cos/sin [b, s, r]
-        are the rotary of each token's position (an entry takes its window's first)."""
-        b, s, _ = x.shape
-        n = s // self.ratio
-        if n == 0:
-            return x.new_zeros(b, 0, self.head_dim)
-        x = x[:, : n * self.ratio]
-        kv = self.kv_proj(x).view(b, n, self.ratio, -1)
-        gate = self.gate_proj(x).view(b, n, self.ratio, -1) + self.position_bias
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, windows: Windows
+    ) -> torch.Tensor:
+        """The entries [b, n, head_dim] of x's ``windows`` (of this compressor's ratio);
+        cos/sin [b, s, r] are the rotary of each token's position (an entry takes its
+        window's first)."""
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        window_kv = windows.gather(kv)
+        window_gate = windows.gather(gate) + self.position_bias
         if self.overlap:
-            kv, gate = self._overlapping(kv, gate)
-        pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
-        firsts = slice(0, n * self.ratio, self.ratio)
-        return rope_tail(self.kv_norm(pooled).unsqueeze(2), cos[:, firsts], sin[:, firsts])[:, :, 0]
-
-    def _overlapping(
-        self, kv: torch.Tensor, gate: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[b, n, 2 * ratio, head_dim] slots of each entry: window w - 1's first halves, then
-        window w's second halves. Window 0 has no predecessor: a -inf gate weighs its slots 0."""
-        d = self.head_dim
-        before = (0, 0, 0, 0, 1, 0)  # one window in front of dim 1
-        prev_kv = F.pad(kv[:, :-1, :, :d], before)
-        prev_gate = F.pad(gate[:, :-1, :, :d], before, value=float("-inf"))
-        return (
-            torch.cat((prev_kv, kv[..., d:]), dim=2),
-            torch.cat((prev_gate, gate[..., d:]), dim=2),
-        )
+            # Entry w pools 2 * ratio slots: the first halves of the document's window
+            # before it (none for its first: a -inf gate weighs them 0), then its own
+            # second halves.
+            d = self.head_dim
+            prev_gate = (windows.gather(gate, back=1) + self.position_bias)[..., :d]
+            prev_gate = prev_gate.masked_fill(~windows.has_previous[..., None, None], -torch.inf)
+            window_kv = torch.cat((windows.gather(kv, back=1)[..., :d], window_kv[..., d:]), 2)
+            window_gate = torch.cat((prev_gate, window_gate[..., d:]), dim=2)
+        weights = window_gate.softmax(dim=2, dtype=torch.float32).to(window_kv.dtype)
+        entries = self.kv_norm((window_kv * weights).sum(dim=2))
+        b = entries.shape[0]
+        at = windows.starts.unsqueeze(-1).expand(-1, -1, cos.shape[-1])
+        cos, sin = (t.expand(b, -1, -1).gather(1, at) for t in (cos, sin))
+        return rope_tail(entries.unsqueeze(2), cos, sin)[:, :, 0]
 
 
 class CompressedIndexer(nn.Module):
@@ -141,11 +184,12 @@ class CompressedIndexer(nn.Module):
         q_latent: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        visible: torch.Tensor,
+        windows: Windows,
     ) -> torch.Tensor:
-        """[b, s, t] True at the entries each query of x [b, s, dim] reads: its ``topk`` best of
-        those ``visible`` [b, s, t] (all when fewer); cos/sin as for ``Compressor``."""
+        """[b, s, n] True at the entries of ``windows`` each query of x [b, s, dim] reads: its
+        ``topk`` best of those it sees (all when fewer); cos/sin as for ``Compressor``."""
         b, s, _ = x.shape
-        keys = self.compressor(x, cos, sin)
+        keys = self.compressor(x, cos, sin, windows)
         q = rope_tail(self.q_proj(q_latent).view(b, s, self.n_heads, self.head_dim), cos, sin)
-        return select_top_k(index_scores(q, keys, x, self.weights_proj), visible, self.topk)
+        scores = index_scores(q, keys, x, self.weights_proj)
+        return select_top_k(scores, windows.visible(), self.topk)
