@@ -222,6 +222,17 @@ def test_ignore_eos_decodes_every_completion_to_max_new_tokens(ignore_eos: bool)
     assert batch["completion_lengths"].tolist() == [want] * 8
 
 
+def test_the_section_goes_whole_to_the_sampler_and_a_kl_term_needs_a_reference() -> None:
+    """GRPO hands its config section to the sampler as it is (one object, no copied fields),
+    whose rewards are the registered ones it names; a KL term without a reference model or
+    mode is refused at construction, not at the first rollout."""
+    objective = _objective()
+    assert objective.sampler.settings is objective.settings
+    assert objective.sampler.rewards == {"exact_match": exact_match, "item_match": item_match}
+    with pytest.raises(ValueError, match="kl_coef > 0 takes exactly one of a reference"):
+        _objective(kl_coef=0.1)
+
+
 def test_batch_scale_divides_by_the_std_of_the_whole_steps_rewards() -> None:
     """advantage_scale batch: each micro-batch keeps its group-centred advantages until the
     step's rollout is drawn, then all are divided by the std of every reward of the step
