@@ -280,16 +280,19 @@ def test_llama3_trains_at_cp2_like_one_process(tmp_path: Path) -> None:
     """llama3_debug through the trainer at CP 2 (its 2 ranks also FSDP's shard group) on
     packed rows of 30 tokens (``data.isolate_documents``: positions restart at each document;
     some rows hold a second document from token 25, inside rank 0's last chunk; padded to 32
-    for 2 x 2 chunks of 8): every step's loss and gradient norm within 1e-5 of one process
-    accumulating the same global batch."""
+    for 2 x 2 chunks of 8), without and with selective activation checkpointing (which
+    recomputes inside ring attention's forward): every step's loss and gradient norm within
+    1e-5 of one process accumulating the same global batch."""
     runs = {}
-    for layout in (SINGLE, CP2):
-        config = parity_config(llama3_debug, tmp_path, layout)
+    for layout, mode in ((SINGLE, "none"), (CP2, "none"), (CP2, "selective")):
+        config = parity_config(llama3_debug, tmp_path / mode, layout)
         config.training.seq_len = 30
         config.data.isolate_documents = True
-        runs[layout.name] = train_layout(config, layout)
-    assert len(runs["cp2"].rows) == STEPS
-    assert_same_metrics(runs["cp2"].rows, runs["single"].rows)
+        config.activation_checkpoint.mode = mode
+        runs[layout.name, mode] = train_layout(config, layout)
+    for mode in ("none", "selective"):
+        assert len(runs["cp2", mode].rows) == STEPS
+        assert_same_metrics(runs["cp2", mode].rows, runs["single", "none"].rows)
 
 
 def _with(recipe: Callable[[], Config], **fields: object) -> Config:
