@@ -78,6 +78,8 @@ class Activations:
     attention_io: int = 0
     """Bytes of q, k, v and output per micro-batch over all attention layers: what Ulysses'
     all-to-alls move."""
+    attention_kv: int = 0
+    """Of those, the bytes of k and v: what ring attention passes around the CP ranks."""
     leading: int = 0
     """Of ``outside``, what is saved before the blocks end (the embedding's)."""
     loss_peak: int = 0
@@ -252,6 +254,7 @@ class _Measure:
         the math path's [s, s] scores are whole), the exchanges' outputs kept."""
         io = sum(t.nbytes for t in (q, k, v)) + q.nbytes // q.shape[-1] * v.shape[-1]
         self.activations.attention_io += io
+        self.activations.attention_kv += k.nbytes + v.nbytes
         shape = (*q.shape[:-1], v.shape[-1])
         if self.sp > 1:
             q, k, v = (self.exchange(t, _heads_for_sequence(t, self.sp)) for t in (q, k, v))

@@ -61,6 +61,7 @@ class Communication:
     all_reduce: float = 0.0
     all_to_all_ep: float = 0.0
     all_to_all_sp: float = 0.0
+    ring_cp: float = 0.0
 
 
 @dataclass
@@ -118,7 +119,9 @@ def plan_run(
             dist.destroy_process_group()
     plan.grad_accum = dims.grad_accum_steps(config.training)
     seq_len = config.training.seq_len
-    plan.tokens = (config.training.local_batch_size, -(-seq_len // dims.sp))
+    # CP pads to a multiple of 2 x cp and gives each rank two chunks.
+    length = -(-seq_len // dims.sp) if dims.cp == 1 else 2 * -(-seq_len // (2 * dims.cp))
+    plan.tokens = (config.training.local_batch_size, length)
     unsharded = build_run_model(config, tokenizer)
     if dtype != torch.float32:
         unsharded = unsharded.to(dtype)
@@ -246,8 +249,10 @@ def communication(
     EP's all-to-alls run twice in forward (dispatch, combine) and twice in backward, again
     in a full checkpoint's recomputation: the busiest rank receives ``ep_imbalance`` times
     its share in the dispatch and its backward, its share in the combine and its backward;
-    Ulysses exchanges q, k, v and the output. ``routed_width``: MoE layers x top_k x model
-    width, the elements a token sends."""
+    Ulysses exchanges q, k, v and the output; ring attention passes k and v to the next CP
+    rank cp - 1 times in forward (again in a full checkpoint's recomputation) and in
+    backward, with their fp32 gradients cp times. ``routed_width``: MoE layers x top_k x
+    model width, the elements a token sends."""
     comm = Communication()
     compute = torch.empty((), dtype=plan.compute_dtype).element_size()
     micro = plan.grad_accum
@@ -270,4 +275,8 @@ def communication(
         passes = 2 + (1 if full_recompute else 0)
         io = plan.activations.attention_io
         comm.all_to_all_sp += micro * passes * io * (dims.sp - 1) / dims.sp
+    if dims.cp > 1 and plan.activations is not None:
+        kv = plan.activations.attention_kv
+        passes = 2 + (1 if full_recompute else 0)
+        comm.ring_cp += micro * kv * ((dims.cp - 1) * passes + dims.cp * 4 / compute)
     return comm

@@ -22,7 +22,8 @@ def format_plan(plan: Plan) -> str:
     assert dims is not None and plan.communication is not None
     dtype = str(plan.compute_dtype).removeprefix("torch.")
     lines.append(
-        f"layout: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x sp {dims.sp}, "
+        f"layout: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} x "
+        f"sp {dims.sp}, "
         f"ep {dims.ep} (efsdp {dims.efsdp}); {dtype} compute, fp32 masters, "
         f"{config.optimizer.name}, activation checkpoint {config.activation_checkpoint.mode}"
     )
@@ -49,7 +50,7 @@ def format_plan(plan: Plan) -> str:
         "communication per step per rank (GiB received): "
         f"all-gather {comm.all_gather / GIB:.2f}, reduce-scatter {comm.reduce_scatter / GIB:.2f}"
         f", all-reduce {comm.all_reduce / GIB:.2f}, all-to-all EP {comm.all_to_all_ep / GIB:.2f}"
-        f", all-to-all SP {comm.all_to_all_sp / GIB:.2f}"
+        f", all-to-all SP {comm.all_to_all_sp / GIB:.2f}, ring CP {comm.ring_cp / GIB:.2f}"
     )
     lines.append(
         "peak: tensors only; the runtime's own memory (CUDA context, NCCL buffers, Python) and "

@@ -151,6 +151,21 @@ def test_expert_all_to_all_by_hand() -> None:
     assert plan.communication.all_to_all_ep == pytest.approx(expected)
 
 
+def test_ring_attention_by_hand() -> None:
+    """CP 2 on 30 tokens: each rank plans 16 (two chunks of 8 after padding to 32), and per
+    micro-batch the ring moves each layer's k and v once forward and once backward, and
+    their fp32 gradients twice."""
+    config = config_of("llama3_debug", "--parallelism.cp", "2", "--training.seq_len", "30")
+    plan = plan_run(config, 2, "cpu")
+    assert plan.errors == [] and plan.tokens == (2, 16)
+    model = build_run_model(config, load_run_tokenizer(config))
+    args = model.args
+    head_dim = args.dim // args.n_heads
+    kv = args.n_layers * 2 * (2 * 16 * args.n_kv_heads * head_dim * 4)
+    assert plan.communication.ring_cp == pytest.approx(plan.grad_accum * kv * (2 + 2))
+    assert plan.communication.all_to_all_sp == 0
+
+
 def test_state_bytes_sum_to_the_model_over_ranks_and_replicas() -> None:
     config = config_of(
         "qwen3_moe_debug", "--parallelism.ep", "2", "--parallelism.dp_replicate", "2"
