@@ -1,7 +1,8 @@
 """DeepSeek V4 recipes: plain functions returning a Config; derive by calling and editing.
 
-The family trains whole rows (packed or not) under FSDP and expert parallelism; sequence and
-context parallelism and generation are not built yet (docs/models.md).
+The family trains whole rows (packed or not) under FSDP and expert parallelism and decodes
+with the growing KV cache; sequence and context parallelism are not built yet
+(docs/models.md).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DeepseekV4Config, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
 from temper.config import ConfigError, Parallelism
+from temper.generation import generate
 from temper.models import build_model, get_model_spec, load_hf
 from temper.models.deepseek_v4 import DeepseekV4Transformer
 from temper.models.hf import adapter_of
@@ -136,6 +137,25 @@ def test_packed_rows_equal_each_document_alone(tmp_path: Path) -> None:
         packed = native(ids, position_ids=positions)
         alone = torch.cat((native(ids[:, :23]), native(ids[:, 23:])), dim=1)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_greedy_generation_equals_transformers(tmp_path: Path) -> None:
+    """Left-padded prompts decoded together with Temper's KV cache, 16 tokens past prompts of
+    9 and 3 (so windows close and the indexer's top 3 of up to 6 entries binds while
+    decoding): transformers' greedy generate of each prompt alone, with its V4 caches."""
+    hf_model = tiny_hf(tmp_path / "hf")
+    native = load_hf(tmp_path / "hf")
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16]]
+    new = 16
+    with torch.no_grad():
+        theirs = [
+            hf_model.generate(
+                torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    ours = generate(native, prompts, new, pad_id=0)
+    assert ours.tokens.tolist() == theirs
 
 
 def test_folder_round_trips_and_transformers_loads_the_export(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 compressed attention and mixture of experts (hash-routed or top-k, plus a shared expert), a
 hyper head collapsing the streams before the final norm.
 
-Whole rows, packed or not (documents attend and compress apart); KV caches (generation) and
+Whole rows, packed or not (documents attend and compress apart), and decoding with a KV cache
+(the reference's: each layer's inputs kept, keys and compressed entries recomputed);
 sequence-parallel slices are refused by name, and there are no multi-token-prediction depths.
 """
 
@@ -20,7 +21,7 @@ from temper.models.layers.decoder import INIT_STD
 from temper.models.layers.experts import GroupedExperts, limited_swiglu
 from temper.models.layers.hyper_connections import HyperConnection, HyperHead, residual
 from temper.models.layers.init import depth_scaled_std, init_linear
-from temper.models.layers.kv_cache import KVCache
+from temper.models.layers.kv_cache import KVCache, LayerCache, StaticKVCache
 from temper.models.layers.moe import (
     MoE,
     RoutingStats,
@@ -90,9 +91,10 @@ class DeepseekV4Block(nn.Module):
         sin: torch.Tensor,
         doc_ids: torch.Tensor,
         windows: Windows | None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         x, post, comb = self.attention_hc(streams)
-        out = self.attention(self.attention_norm(x), cos, sin, doc_ids, windows)
+        out = self.attention(self.attention_norm(x), cos, sin, doc_ids, windows, cache)
         streams = residual(streams, out, post, comb)
         x, post, comb = self.ffn_hc(streams)
         h = self.ffn_norm(x)
@@ -209,7 +211,8 @@ class DeepseekV4Transformer(nn.Module):
     ) -> torch.Tensor:
         """Final-norm output [b, s, dim] of whole rows of token ids [b, s] at ``position_ids``
         (default 0..s-1); ``docs`` (or, without it, restarts in ``position_ids``) keeps packed
-        documents apart. A ``cache`` and a ``shard`` are refused: not built for V4 yet."""
+        documents apart. With a KV ``cache`` (decoding) the tokens follow those of earlier
+        calls. A sequence-parallel ``shard`` is refused: not built for V4 yet."""
         return self._hidden_states(input_ids, position_ids, docs, cache, shard)
 
     def _hidden_states(
@@ -221,17 +224,24 @@ class DeepseekV4Transformer(nn.Module):
         shard: SequenceShard | None,
     ) -> torch.Tensor:
         """The body ``forward`` calls too (FSDP2 wraps the public method in its root hooks)."""
-        for name, given in (("cache", cache), ("shard", shard)):
-            if given is not None:
-                raise ValueError(
-                    f"deepseek_v4 runs whole rows only: {name} (KV cache decoding, "
-                    "sequence-parallel slices) is not supported yet"
-                )
+        if shard is not None:
+            raise ValueError("deepseek_v4 runs whole rows: sequence-parallel slices are not built")
+        if isinstance(cache, StaticKVCache) or (cache is not None and docs is not None):
+            raise ValueError(
+                "deepseek_v4 decodes with a growing KVCache on whole rows (no static cache, "
+                "no packed documents)"
+            )
         clear_routing(self)
         b, s = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device)[None]
+            start = 0 if cache is None else cache.length
+            position_ids = torch.arange(start, start + s, device=input_ids.device)[None]
         positions = position_ids.expand(b, s)
+        caches: list[LayerCache | None] = [None] * len(self.layers)
+        if cache is not None:
+            caches = list(cache.extend(s))
+            # Every token so far: the compressors and the windows read the whole history.
+            positions = caches[0].keep("positions", positions)
         if docs is None:
             docs = DocumentMask.from_position_ids(positions)
         rotary = {
@@ -249,8 +259,9 @@ class DeepseekV4Transformer(nn.Module):
             router.token_ids = input_ids
         h = self.tok_embeddings(input_ids)
         streams = h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
-        for layer, kind in zip(self.layers, self.args.layer_types, strict=True):
-            streams = layer(streams, *rotary[kind], docs.doc_ids, windows[kind])
+        layers = zip(self.layers, self.args.layer_types, caches, strict=True)
+        for layer, kind, layer_cache in layers:
+            streams = layer(streams, *rotary[kind], docs.doc_ids, windows[kind], layer_cache)
         return self.norm(self.hc_head(streams))
 
     def forward(
@@ -261,8 +272,10 @@ class DeepseekV4Transformer(nn.Module):
         cache: KVCache | None = None,
         shard: SequenceShard | None = None,
     ) -> torch.Tensor:
-        """Logits [b, s, vocab] (``hidden_states``' inputs)."""
-        return self.output(self._hidden_states(input_ids, position_ids, docs, cache, shard))
+        """Logits [b, s, vocab] (``hidden_states``' inputs); with a KV ``cache``, only the last
+        position's [b, 1, vocab], as the shared decoder's."""
+        h = self._hidden_states(input_ids, position_ids, docs, cache, shard)
+        return self.output(h if cache is None else h[:, -1:])
 
     def _hash_routers(self) -> list[HashRouter]:
         return [m.router for m in moe_layers(self).values() if isinstance(m.router, HashRouter)]

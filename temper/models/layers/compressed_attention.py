@@ -13,7 +13,9 @@ its ``window`` only; an HCA layer also to every completed compressed entry; a CS
 ``topk`` entries its indexer picks. Each head has a learned sink logit.
 
 The reference runs on sdpa with an explicit mask, on whole rows (packed documents attend and
-compress apart), without a cache (``temper.models.deepseek_v4`` refuses one).
+compress apart). Decoding, it keeps each layer's inputs in the KV cache and recomputes keys
+and compressed entries from them for the new queries: exact, at the cost of a forward over
+the whole history per step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from temper.kernels.attention import attention, causal_band
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows, rope_tail
 from temper.models.layers.grouped_linear import GroupedLinear
 from temper.models.layers.init import init_linear
+from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import RMSNorm
 
 
@@ -86,28 +89,34 @@ class CompressedAttention(nn.Module):
         sin: torch.Tensor,
         doc_ids: torch.Tensor,
         windows: Windows | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        """x [b, s, dim] of whole rows, its tokens in documents ``doc_ids`` [b, s] (packed
-        ones attend apart); cos/sin [b, s, rope_dim] of the layer's rotary at each token's
-        position in its document; ``windows`` of the compressor's ratio, in compressed
-        layers."""
-        b, s, _ = x.shape
-        q_latent = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim)
+        """x [b, n, dim] of whole rows, or of the next n tokens with a ``cache`` (decoding:
+        the cache keeps every earlier input, from which keys and entries are recomputed);
+        ``doc_ids`` [b, s] the documents of all s tokens so far (packed ones attend apart),
+        cos/sin [b, s, rope_dim] the layer's rotary at each one's position in its document,
+        ``windows`` of the compressor's ratio over them, in compressed layers."""
+        b, n, _ = x.shape
+        if cache is not None:
+            x = cache.keep("inputs", x)
+        s = x.shape[1]
+        q_cos, q_sin, q_docs = cos[:, s - n :], sin[:, s - n :], doc_ids[:, s - n :]
+        q_latent = self.q_norm(self.wq_a(x[:, s - n :]))
+        q = self.wq_b(q_latent).view(b, n, self.n_heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.norm_eps).to(q.dtype)
-        q = rope_tail(q, cos, sin)
+        q = rope_tail(q, q_cos, q_sin)
         kv = rope_tail(self.kv_norm(self.wkv(x)).unsqueeze(2), cos, sin)
-        sees = causal_band(s, s, self.window, x.device) & (doc_ids[:, :, None] == doc_ids[:, None])
+        sees = causal_band(n, s, self.window, x.device) & (q_docs[:, :, None] == doc_ids[:, None])
         if self.compressor is not None:
             if windows is None or windows.ratio != self.compressor.ratio:
                 raise ValueError(f"a compressed layer needs its windows of {self.compressor.ratio}")
             entries = self.compressor(x, cos, sin, windows)
             if self.indexer is None:
-                seen = windows.visible()
+                seen = windows.visible()[:, s - n :]
             else:
                 seen = self.indexer(x, q_latent, cos, sin, windows)
             kv = torch.cat((kv, entries.unsqueeze(2)), dim=1)
             sees = torch.cat((sees, seen), dim=-1)
         out = attention(q, kv, kv, mask=sees[:, None], scale=self.head_dim**-0.5, sinks=self.sinks)
-        out = rope_tail(out, cos, -sin)
-        return self.wo_b(self.wo_a(out.reshape(b, s, self.o_groups, -1)).flatten(2))
+        out = rope_tail(out, q_cos, -q_sin)
+        return self.wo_b(self.wo_a(out.reshape(b, n, self.o_groups, -1)).flatten(2))

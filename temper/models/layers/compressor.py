@@ -18,7 +18,8 @@ A query at position p sees entry w once the window is complete, ``(w + 1) * rati
 are interleaved (2i, 2i + 1) on the last ``rope_dim`` dims of each head, DeepSeek V4's
 layout, kept as is (``rope_tail``), since V4 reads its keys as values too.
 
-This is the reference, for whole rows (packed or not) without a cache.
+This is the reference, for whole rows (packed or not); decoding recomputes the entries from
+the inputs the cache keeps (``temper.models.layers.compressed_attention``).
 """
 
 from __future__ import annotations
@@ -186,10 +187,13 @@ class CompressedIndexer(nn.Module):
         sin: torch.Tensor,
         windows: Windows,
     ) -> torch.Tensor:
-        """[b, s, n] True at the entries of ``windows`` each query of x [b, s, dim] reads: its
-        ``topk`` best of those it sees (all when fewer); cos/sin as for ``Compressor``."""
+        """[b, n, entries] True at the entries of ``windows`` each of the last n tokens of
+        x [b, s, dim] (their query latent [b, n, q_lora_rank]) reads: its ``topk`` best of
+        those it sees (all when fewer); cos/sin as for ``Compressor``."""
         b, s, _ = x.shape
+        n = q_latent.shape[1]
         keys = self.compressor(x, cos, sin, windows)
-        q = rope_tail(self.q_proj(q_latent).view(b, s, self.n_heads, self.head_dim), cos, sin)
-        scores = index_scores(q, keys, x, self.weights_proj)
-        return select_top_k(scores, windows.visible(), self.topk)
+        q = self.q_proj(q_latent).view(b, n, self.n_heads, self.head_dim)
+        q = rope_tail(q, cos[:, s - n :], sin[:, s - n :])
+        scores = index_scores(q, keys, x[:, s - n :], self.weights_proj)
+        return select_top_k(scores, windows.visible()[:, s - n :], self.topk)

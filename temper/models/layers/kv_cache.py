@@ -91,6 +91,9 @@ class LayerCache:
         """[b, n_v_heads, d_k, d_v]: the delta rule's state after the latest column."""
         self.index_k: torch.Tensor | None = None
         """[b, max_len, d]: DeepSeek sparse attention's indexer keys."""
+        self.kept: dict[str, torch.Tensor] = {}
+        """Per-column tensors [b, max_len, ...] by name (``keep``): DeepSeek V4's reference
+        keeps its attention inputs and recomputes keys and compressed entries from them."""
 
     def valid_columns(self, n: int) -> torch.Tensor:
         """[b, n] True where the running forward's n tokens are real (not left padding)."""
@@ -100,6 +103,16 @@ class LayerCache:
     def visible(self) -> torch.Tensor:
         """[b, n, end] True where the running forward's queries see a filled column."""
         return self.cache.bias[:, 0] == 0
+
+    def keep(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Store this forward's x [b, n, ...] in its columns under ``name``; every column so far
+        [b, end, ...]."""
+        cache = self.cache
+        if name not in self.kept:
+            b, max_len = cache.valid.shape
+            self.kept[name] = x.new_zeros(b, max_len, *x.shape[2:])
+        self.kept[name][:, cache.length - x.shape[1] : cache.length] = x
+        return self.kept[name][:, : cache.length]
 
     def index_keys(self, k: torch.Tensor) -> torch.Tensor:
         """Store this forward's indexer keys k [b, n, d] in their columns; every one so far
