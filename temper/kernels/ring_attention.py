@@ -108,9 +108,11 @@ class _RingAttention(torch.autograd.Function):
         block = [k, v]
         for step in range(ring.size):
             receive = ring.shift(block) if step < ring.size - 1 else None
-            keys, values = block[0].float(), block[1].float()
-            for rows in ring.tiles(s):
-                scores = ring.scores(q5[:, rows], keys, step, scale, rows)
+            source = ring.source(step)
+            first_row, key_end = ring.spans[source]
+            keys, values = (t[:, :key_end].float() for t in block)
+            for rows in ring.tiles(first_row, s):
+                scores = ring.scores(q5[:, rows], keys, source, scale, rows)
                 block_lse = scores.logsumexp(dim=-1)
                 probs = torch.exp(scores - _finite(block_lse)[..., None])
                 block_out = torch.einsum("bhgqk,bkhe->bqhge", probs, values)
@@ -142,15 +144,18 @@ class _RingAttention(torch.autograd.Function):
         grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         for step in range(ring.size):
             receive = ring.shift(block) if step < ring.size - 1 else None
-            keys, values = block[0].float(), block[1].float()
-            for rows in ring.tiles(q.shape[1]):
-                scores = ring.scores(q5[:, rows], keys, step, scale, rows)
+            source = ring.source(step)
+            first_row, key_end = ring.spans[source]
+            keys, values = (t[:, :key_end].float() for t in block)
+            for rows in ring.tiles(first_row, q.shape[1]):
+                scores = ring.scores(q5[:, rows], keys, source, scale, rows)
                 probs = torch.exp(scores - lse[..., rows, None])
                 d_probs = torch.einsum("bqhge,bkhe->bhgqk", d_out[:, rows], values)
                 d_scores = probs * (d_probs - delta[..., rows, None])
                 dq[:, rows] += torch.einsum("bhgqk,bkhd->bqhgd", d_scores, keys) * scale
-                grads[0] += torch.einsum("bhgqk,bqhgd->bkhd", d_scores, q5[:, rows]) * scale
-                grads[1] += torch.einsum("bhgqk,bqhge->bkhe", probs, d_out[:, rows])
+                d_keys = torch.einsum("bhgqk,bqhgd->bkhd", d_scores, q5[:, rows]) * scale
+                grads[0][:, :key_end] += d_keys
+                grads[1][:, :key_end] += torch.einsum("bhgqk,bqhge->bkhe", probs, d_out[:, rows])
             # The accumulators travel with their block; the last shift brings them home.
             grads = ring.shift(grads)() if ring.size > 1 else grads
             if receive is not None:
@@ -166,8 +171,9 @@ class _RingAttention(torch.autograd.Function):
 
 
 class _Ring:
-    """This rank's place in the CP ring: neighbours, every rank's global columns, and the
-    visibility mask of its queries against any rank's block."""
+    """This rank's place in the CP ring: neighbours, every rank's global columns, the part of
+    each rank's block that causal order lets this rank's queries see, and the visibility
+    mask there."""
 
     def __init__(
         self,
@@ -183,21 +189,35 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
         seq_len = q.shape[1] * self.size
-        self.columns = [
-            load_balanced_indices(seq_len, r, self.size, q.device) for r in range(self.size)
+        columns = [load_balanced_indices(seq_len, r, self.size) for r in range(self.size)]
+        self.columns = [c.to(q.device) for c in columns]
+        # A rank's columns ascend, so the keys of a block that any of this rank's queries can
+        # see causally are a prefix, and the queries that can see any of them a suffix: per
+        # source rank, (first such query row, end of such keys), the rest skipped. In the
+        # load-balanced layout this halves every block but this rank's own.
+        mine = columns[self.rank]
+        self.spans = [
+            (int(torch.searchsorted(mine, c[0])), int(torch.searchsorted(c, mine[-1], right=True)))
+            for c in columns
         ]
         self.doc_ids = doc_ids
         self.window = window
         self.query_tile = query_tile
 
-    def tiles(self, s: int) -> list[slice]:
-        """The local query rows in tiles of ``query_tile``."""
-        return [slice(i, min(i + self.query_tile, s)) for i in range(0, s, self.query_tile)]
+    def source(self, step: int) -> int:
+        """The rank whose block this rank holds at ``step``."""
+        return (self.rank - step) % self.size
+
+    def tiles(self, start: int, s: int) -> list[slice]:
+        """The local query rows from ``start`` in tiles of ``query_tile``."""
+        return [slice(i, min(i + self.query_tile, s)) for i in range(start, s, self.query_tile)]
 
     def visible(self, source: int, rows: slice) -> torch.Tensor:
-        """[b or 1, s_q, s_k] bool: which keys of rank ``source``'s block this rank's query
-        ``rows`` see (same document, causal, within the window), by global column."""
-        mine, theirs = self.columns[self.rank][rows], self.columns[source]
+        """[b or 1, s_q, s_k] bool: which of the kept keys of rank ``source``'s block
+        (``spans``) this rank's query ``rows`` see (same document, causal, within the window),
+        by global column."""
+        mine = self.columns[self.rank][rows]
+        theirs = self.columns[source][: self.spans[source][1]]
         queries, keys = mine[:, None], theirs[None, :]
         mask = keys <= queries
         if self.window is not None:
@@ -209,12 +229,12 @@ class _Ring:
         return mask
 
     def scores(
-        self, q5: torch.Tensor, keys: torch.Tensor, step: int, scale: float, rows: slice
+        self, q5: torch.Tensor, keys: torch.Tensor, source: int, scale: float, rows: slice
     ) -> torch.Tensor:
-        """Masked scores [b, h_kv, g, s_q, s_k] (fp32) of query ``rows`` against the block
-        held at ``step``: the one that started on rank ``rank - step``."""
+        """Masked scores [b, h_kv, g, s_q, s_k] (fp32) of query ``rows`` against the kept
+        ``keys`` of rank ``source``'s block."""
         scores = torch.einsum("bqhgd,bkhd->bhgqk", q5, keys) * scale
-        mask = self.visible((self.rank - step) % self.size, rows)
+        mask = self.visible(source, rows)
         return scores.masked_fill(~mask[:, None, None], float("-inf"))
 
     def shift(self, tensors: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
