@@ -163,6 +163,28 @@ def test_folder_round_trips_and_transformers_loads_the_export(tmp_path: Path) ->
     check_round_trip(tmp_path / "hf", tmp_path / "out", hf_model)
 
 
+def test_checkpoint_export_carries_the_mtp_tensors(tmp_path: Path) -> None:
+    """A released-style folder with ``mtp.*`` tensors (not modelled) -> DCP checkpoint -> HF
+    export: they arrive untouched, and transformers loads the export with the folder's
+    logits."""
+    from safetensors.torch import load_file, save_file
+
+    from temper.checkpoint.convert import dcp_to_hf, hf_to_dcp
+
+    hf_model = tiny_hf(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    mtp = {"mtp.0.eh_proj.weight": torch.randn(32, 64), "mtp.0.enorm.weight": torch.rand(32)}
+    save_file(load_file(weights) | mtp, weights, metadata={"format": "pt"})
+    hf_to_dcp(tmp_path / "hf", tmp_path / "ckpt")
+    dcp_to_hf(tmp_path / "ckpt", tmp_path / "out")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(written[k], v) for k, v in mtp.items())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, 64, (1, SEQ))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf_model(ids).logits, rtol=0, atol=0)
+
+
 def test_debug_flavor_trains_a_step_and_refuses_what_it_lacks() -> None:
     torch.manual_seed(0)
     model = build_model("deepseek_v4", "debug", device="cpu")

@@ -10,7 +10,8 @@ Configs: the compressed layers' rotary is ``rope_parameters["compress"]`` (YaRN,
 factor transformers fixes at 1 for V4 when absent; another value is refused), the sliding
 layers' ``rope_parameters["main"]``. The older flat keys (``compress_ratios`` per layer,
 ``num_hash_layers``, ``compress_rate_csa`` / ``_hca``, ``qk_rope_head_dim``) are read as
-transformers folds them in.
+transformers folds them in. A released folder's multi-token-prediction tensors (``mtp.*``),
+which neither transformers nor Temper models, are carried through exports untouched.
 """
 
 from __future__ import annotations
@@ -244,4 +245,6 @@ ADAPTER = HFAdapter(
     args_to_hf=args_to_hf,
     key_rules=key_rules,
     buffer_rules=buffer_rules,
+    # DeepSeek's multi-token-prediction layers, which transformers does not model either.
+    carried_prefixes=("mtp.",),
 )
