@@ -109,13 +109,12 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             receive = ring.shift(block) if step < ring.size - 1 else None
             source = ring.source(step)
-            first_row, key_end = ring.spans[source]
-            keys, values = (t[:, :key_end].float() for t in block)
-            for rows in ring.tiles(first_row, s):
-                scores = ring.scores(q5[:, rows], keys, source, scale, rows)
+            keys, values = (t.float() for t in block)
+            for rows, end in ring.tiles(source):
+                scores = ring.scores(q5[:, rows], keys[:, :end], source, scale, rows)
                 block_lse = scores.logsumexp(dim=-1)
                 probs = torch.exp(scores - _finite(block_lse)[..., None])
-                block_out = torch.einsum("bhgqk,bkhe->bqhge", probs, values)
+                block_out = torch.einsum("bhgqk,bkhe->bqhge", probs, values[:, :end])
                 out[:, rows], lse[..., rows] = _merge(
                     out[:, rows], lse[..., rows], block_out, block_lse
                 )
@@ -145,17 +144,16 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             receive = ring.shift(block) if step < ring.size - 1 else None
             source = ring.source(step)
-            first_row, key_end = ring.spans[source]
-            keys, values = (t[:, :key_end].float() for t in block)
-            for rows in ring.tiles(first_row, q.shape[1]):
-                scores = ring.scores(q5[:, rows], keys, source, scale, rows)
+            keys, values = (t.float() for t in block)
+            for rows, end in ring.tiles(source):
+                scores = ring.scores(q5[:, rows], keys[:, :end], source, scale, rows)
                 probs = torch.exp(scores - lse[..., rows, None])
-                d_probs = torch.einsum("bqhge,bkhe->bhgqk", d_out[:, rows], values)
+                d_probs = torch.einsum("bqhge,bkhe->bhgqk", d_out[:, rows], values[:, :end])
                 d_scores = probs * (d_probs - delta[..., rows, None])
-                dq[:, rows] += torch.einsum("bhgqk,bkhd->bqhgd", d_scores, keys) * scale
+                dq[:, rows] += torch.einsum("bhgqk,bkhd->bqhgd", d_scores, keys[:, :end]) * scale
                 d_keys = torch.einsum("bhgqk,bqhgd->bkhd", d_scores, q5[:, rows]) * scale
-                grads[0][:, :key_end] += d_keys
-                grads[1][:, :key_end] += torch.einsum("bhgqk,bqhge->bkhe", probs, d_out[:, rows])
+                grads[0][:, :end] += d_keys
+                grads[1][:, :end] += torch.einsum("bhgqk,bqhge->bkhe", probs, d_out[:, rows])
             # The accumulators travel with their block; the last shift brings them home.
             grads = ring.shift(grads)() if ring.size > 1 else grads
             if receive is not None:
@@ -172,8 +170,8 @@ class _RingAttention(torch.autograd.Function):
 
 class _Ring:
     """This rank's place in the CP ring: neighbours, every rank's global columns, the part of
-    each rank's block that causal order lets this rank's queries see, and the visibility
-    mask there."""
+    each rank's block that causal order lets each tile of this rank's queries see, and the
+    visibility mask there."""
 
     def __init__(
         self,
@@ -189,17 +187,8 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
         seq_len = q.shape[1] * self.size
-        columns = [load_balanced_indices(seq_len, r, self.size) for r in range(self.size)]
-        self.columns = [c.to(q.device) for c in columns]
-        # A rank's columns ascend, so the keys of a block that any of this rank's queries can
-        # see causally are a prefix, and the queries that can see any of them a suffix: per
-        # source rank, (first such query row, end of such keys), the rest skipped. In the
-        # load-balanced layout this halves every block but this rank's own.
-        mine = columns[self.rank]
-        self.spans = [
-            (int(torch.searchsorted(mine, c[0])), int(torch.searchsorted(c, mine[-1], right=True)))
-            for c in columns
-        ]
+        self.host_columns = [load_balanced_indices(seq_len, r, self.size) for r in range(self.size)]
+        self.columns = [c.to(q.device) for c in self.host_columns]
         self.doc_ids = doc_ids
         self.window = window
         self.query_tile = query_tile
@@ -208,16 +197,27 @@ class _Ring:
         """The rank whose block this rank holds at ``step``."""
         return (self.rank - step) % self.size
 
-    def tiles(self, start: int, s: int) -> list[slice]:
-        """The local query rows from ``start`` in tiles of ``query_tile``."""
-        return [slice(i, min(i + self.query_tile, s)) for i in range(start, s, self.query_tile)]
+    def tiles(self, source: int) -> list[tuple[slice, int]]:
+        """This rank's query rows in tiles of ``query_tile``, each with the end of the keys of
+        rank ``source``'s block it can see causally; what causal order hides is skipped.
+        Columns ascend on every rank, so those keys are a prefix, and the rows that see any of
+        them a suffix (computed on the host from the layout: no device sync). In the
+        load-balanced layout this halves every block but the rank's own, whose tiles see
+        their causal prefix."""
+        mine, theirs = self.host_columns[self.rank], self.host_columns[source]
+        start = int(torch.searchsorted(mine, theirs[0]))
+        tiles = []
+        for first in range(start, len(mine), self.query_tile):
+            rows = slice(first, min(first + self.query_tile, len(mine)))
+            tiles.append((rows, int(torch.searchsorted(theirs, mine[rows.stop - 1], right=True))))
+        return tiles
 
-    def visible(self, source: int, rows: slice) -> torch.Tensor:
-        """[b or 1, s_q, s_k] bool: which of the kept keys of rank ``source``'s block
-        (``spans``) this rank's query ``rows`` see (same document, causal, within the window),
-        by global column."""
+    def visible(self, source: int, rows: slice, end: int) -> torch.Tensor:
+        """[b or 1, s_q, s_k] bool: which of the first ``end`` keys of rank ``source``'s block
+        this rank's query ``rows`` see (same document, causal, within the window), by global
+        column."""
         mine = self.columns[self.rank][rows]
-        theirs = self.columns[source][: self.spans[source][1]]
+        theirs = self.columns[source][:end]
         queries, keys = mine[:, None], theirs[None, :]
         mask = keys <= queries
         if self.window is not None:
@@ -231,10 +231,10 @@ class _Ring:
     def scores(
         self, q5: torch.Tensor, keys: torch.Tensor, source: int, scale: float, rows: slice
     ) -> torch.Tensor:
-        """Masked scores [b, h_kv, g, s_q, s_k] (fp32) of query ``rows`` against the kept
-        ``keys`` of rank ``source``'s block."""
+        """Masked scores [b, h_kv, g, s_q, s_k] (fp32) of query ``rows`` against ``keys``, the
+        first keys of rank ``source``'s block (as many as ``tiles`` kept)."""
         scores = torch.einsum("bqhgd,bkhd->bhgqk", q5, keys) * scale
-        mask = self.visible(source, rows)
+        mask = self.visible(source, rows, keys.shape[1])
         return scores.masked_fill(~mask[:, None, None], float("-inf"))
 
     def shift(self, tensors: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
