@@ -26,6 +26,9 @@ class SequenceShard:
     start: int = 0
     """Where the slice starts in the whole sequence (a vision-language model slices its fused
     embeddings there)."""
+    real_len: int | None = None
+    """The whole sequence's real tokens, before the padding (None: all ``seq_len``): DeepSeek
+    sparse attention chooses among exactly the keys one process would."""
 
 
 Batch = dict[str, "torch.Tensor | SequenceShard"]

@@ -104,7 +104,7 @@ def shard_batch(
     }
     shard[DOCUMENT_POSITIONS] = padded["position_ids"] if packed is not None else positions[:0]
     shard[SEQUENCE_SHARD] = SequenceShard(
-        s + pad, min(max(s - start, 0), local), group=group, start=start
+        s + pad, min(max(s - start, 0), local), group=group, start=start, real_len=s
     )
     if "rope_position_ids" in batch:  # a vision-language batch: see below
         rope = F.pad(batch["rope_position_ids"], (0, pad))

@@ -1,17 +1,23 @@
-"""DeepSeek sparse attention trains under FSDP and expert parallelism as one process does.
+"""DeepSeek sparse attention trains under FSDP, expert and sequence parallelism as one
+process does.
 
 The DSA debug recipes (``deepseek_v32_debug``, ``glm_moe_dsa_debug``: indexers trained by
 their KL term, ``indexer_training`` sparse), fp32, random init, 96-token rows so that each
 query keeps 64 of up to 96 keys. EP 2 over two ranks (which also shards every other weight,
-the indexers' included, by FSDP 2) gives every step's loss (with the weighted KL), gradient
-norm and indexer KL of one process training the same 8 sequences as one micro-batch.
+the indexers' included, by FSDP 2), and Ulysses SP 2 x EP 2 over four (each rank's indexer
+scores its 48 queries against all 96 keys, and the KL is the whole sequences' mean), give
+every step's loss (with the weighted KL), gradient norm and indexer KL of one process
+training the same 8 sequences as one micro-batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
+from harness import run_on_ranks
 from training import Layout, assert_same_metrics, parity_config
 from training import train as train_layout
 
@@ -20,6 +26,7 @@ from temper.recipes.deepseek_v32 import deepseek_v32_debug, glm_moe_dsa_debug
 
 SINGLE8 = Layout("single8", world=1, local_batch=8)
 EP2 = Layout("ep2", world=2, local_batch=4, parallelism={"ep": 2})
+SP2_EP2 = Layout("sp2_ep2", world=4, local_batch=4, parallelism={"sp": 2, "ep": 2})
 
 
 @pytest.mark.parametrize(
@@ -27,19 +34,76 @@ EP2 = Layout("ep2", world=2, local_batch=4, parallelism={"ep": 2})
     [deepseek_v32_debug, pytest.param(glm_moe_dsa_debug, marks=pytest.mark.slow)],
     ids=["deepseek_v32", "glm_moe_dsa"],
 )
-def test_expert_parallel_dsa_trains_like_one_process(
+def test_expert_and_sequence_parallel_dsa_trains_like_one_process(
     recipe: Callable[[], Config], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     folder = tmp_path_factory.getbasetemp() / recipe.__name__
     runs = {}
-    for layout in (SINGLE8, EP2):
+    for layout in (SINGLE8, EP2, SP2_EP2):
         config = parity_config(recipe, folder, layout)
         config.training.seq_len = 96
         runs[layout.name] = train_layout(config, layout)
-    run, reference = runs["ep2"], runs["single8"]
-    assert "layers.1.feed_forward.experts" in run.fsdp_units
-    assert_same_metrics(run.rows, reference.rows)
-    for row, ref in zip(run.rows, reference.rows, strict=True):
-        assert row["indexer_kl"] == pytest.approx(ref["indexer_kl"], rel=1e-5)
+    reference = runs["single8"]
+    assert "layers.1.feed_forward.experts" in runs["ep2"].fsdp_units
+    for run in (runs["ep2"], runs["sp2_ep2"]):
+        assert_same_metrics(run.rows, reference.rows)
+        for row, ref in zip(run.rows, reference.rows, strict=True):
+            assert row["indexer_kl"] == pytest.approx(ref["indexer_kl"], rel=1e-5)
     # The indexers learn: their KL toward the main attention falls over the run.
-    assert run.rows[-1]["indexer_kl"] < run.rows[0]["indexer_kl"]
+    assert reference.rows[-1]["indexer_kl"] < reference.rows[0]["indexer_kl"]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "rows"])
+def test_padded_slices_give_one_process_gradients(packed: bool) -> None:
+    """79 tokens (packed: documents of 70 and 9) padded to 80 over 2 SP ranks, the indexer
+    trained (sparse): the loss with its weighted KL, the KL itself and every parameter's
+    gradient, the indexers' included, equal one process's on the unpadded rows."""
+    got, want = run_on_ranks(_padded_batch_rank, 2, packed)[0]
+    assert got["kl"].item() == pytest.approx(want["kl"].item(), rel=1e-5)
+    assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=1e-6)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in got["grads"].items():
+        scale = want["grads"][name].abs().max().item()
+        torch.testing.assert_close(grad, want["grads"][name], rtol=1e-5, atol=1e-5 * scale)
+
+
+def _padded_batch_rank(packed: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    import torch.distributed as dist
+
+    from temper.models import build_model, materialize
+    from temper.objectives import CausalLM
+    from temper.parallel.ulysses import SequenceParallel
+    from temper.utils.device import init_runtime
+
+    init_runtime()
+    torch.manual_seed(0)
+    sparse = {"indexer_training": "sparse"}
+    reference = materialize(build_model("deepseek_v32", "debug", overrides=sparse), "cpu")
+    model = build_model("deepseek_v32", "debug", overrides=sparse)
+    sp = SequenceParallel(dist.group.WORLD)
+    sp.apply(model)
+    model = materialize(model, "cpu")
+    model.load_state_dict(reference.state_dict())
+
+    ids = torch.randint(1, 1000, (2, 79), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(70), torch.arange(9)]).expand(2, 79)
+    shard = sp.shard(batch)
+
+    def run(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        loss, _, metrics = CausalLM().loss(model, batch)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            if model is not reference:
+                dist.all_reduce(grad)
+            grads[name] = grad
+        return {"loss": loss.detach(), "kl": metrics["indexer_kl"], "grads": grads}
+
+    got = run(model, shard)
+    dist.all_reduce(got["loss"])
+    want = run(reference, batch)
+    dist.barrier()
+    return (got, want) if dist.get_rank() == 0 else None

@@ -37,13 +37,13 @@ def test_shards_pad_right_and_keep_global_documents() -> None:
 
 def test_shards_say_the_padded_length_and_their_real_tokens() -> None:
     """7 tokens over 3 ranks pad to 9: slices of 3 starting at 0, 3 and 6, with 3, 3 and 1
-    real tokens; 9 tokens over 4 ranks pad to 12, and the last slice is padding only."""
+    real tokens of 7; 9 tokens over 4 ranks pad to 12, and the last slice is padding only."""
     batch = {"input_ids": torch.ones(2, 7, dtype=torch.long), "labels": torch.ones(2, 7)}
     shards = [shard_batch(batch, rank, 3)[SEQUENCE_SHARD] for rank in range(3)]
     assert shards == [
-        SequenceShard(9, 3, start=0),
-        SequenceShard(9, 3, start=3),
-        SequenceShard(9, 1, start=6),
+        SequenceShard(9, 3, start=0, real_len=7),
+        SequenceShard(9, 3, start=3, real_len=7),
+        SequenceShard(9, 1, start=6, real_len=7),
     ]
     batch = {key: torch.ones(1, 9) for key in ("input_ids", "labels")}
     shards = [shard_batch(batch, rank, 4)[SEQUENCE_SHARD] for rank in range(4)]

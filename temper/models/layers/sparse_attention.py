@@ -32,14 +32,17 @@ import dataclasses
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from temper.data.batch import SequenceShard
 from temper.kernels.attention import causal_band
 from temper.models.layers.context import ForwardContext
 from temper.models.layers.init import init_linear
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import apply_rope
+from temper.utils.compat import all_to_all_single_autograd, functional_all_reduce
 
 IndexerTraining = Literal["off", "sparse", "dense_warmup"]
 INDEXER_TRAINING: tuple[IndexerTraining, ...] = ("off", "sparse", "dense_warmup")
@@ -130,16 +133,16 @@ def indexer_kl(
     allowed: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Mean over the queries of KL(p || softmax(scores)) over each query's ``allowed`` keys
-    [b, s, t]: p is the attention distribution of q [b, s, h, d] over k [b, t, h, d] (fp32,
-    no gradient) summed over heads and L1-normalized, ``scores`` [b, s, t] the indexer's."""
+    """Each query's KL(p || softmax(scores)) [b, s] over its ``allowed`` keys [b, s, t]: p is
+    the attention distribution of q [b, s, h, d] over k [b, t, h, d] (fp32, no gradient)
+    summed over heads and L1-normalized, ``scores`` [b, s, t] the indexer's."""
     with torch.no_grad():
         logits = torch.einsum("bshd,bthd->bhst", q.float(), k.float()) * scale
         probs = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)
         target = probs / probs.sum(-1, keepdim=True)
     log_q = scores.masked_fill(~allowed, float("-inf")).log_softmax(-1)
     log_q = log_q.masked_fill(~allowed, 0.0)
-    return (torch.xlogy(target, target) - target * log_q).sum(-1).mean()
+    return (torch.xlogy(target, target) - target * log_q).sum(-1)
 
 
 class SharedSelection:
@@ -233,7 +236,8 @@ class SparseMLA(MLA):
         if self.indexer is None:
             assert self.selection is not None  # __init__ requires it
             chosen = self.selection.chosen
-            if chosen is None or chosen.shape[1] != x.shape[1]:
+            whole = x.shape[1] if ctx.shard is None else ctx.shard.seq_len
+            if chosen is None or chosen.shape[1] != whole:
                 raise RuntimeError("a shared DSA layer runs after the layer it reuses")
             self.indexer_kl = None
         else:
@@ -252,15 +256,17 @@ class SparseMLA(MLA):
         ctx: ForwardContext,
         indexer: LightningIndexer,
     ) -> torch.Tensor:
-        """[b, s, t] True at the keys each query attends to; sets ``indexer_kl``."""
+        """[b, s, t] True at the keys each query attends to; sets ``indexer_kl``.
+
+        Under sequence parallelism each rank scores its slice's queries against the whole
+        sequence's indexer keys (gathered) and the rows of every rank are joined: the choice
+        of all queries of the whole sequence, which the attention core sees. The scores
+        leave out the padding's keys, so each row is one process's and ``topk`` breaks ties
+        as it would there (ReLU makes exact ties common); the KL is the mean over the whole
+        sequences' real queries."""
         cos, sin = ctx.cos * self.rope_scale, ctx.sin * self.rope_scale
-        docs, cache = ctx.docs, ctx.cache
-        if cache is not None:
-            visible = cache.visible()
-        elif docs is not None:
-            visible = docs.dense()[:, 0]
-        else:
-            visible = causal_band(x.shape[1], x.shape[1], None, x.device)[None]
+        cache, shard = ctx.cache, ctx.shard
+        group = None if shard is None else shard.group
         trains = (
             self.indexer_training != "off"
             and self.training
@@ -273,11 +279,59 @@ class SparseMLA(MLA):
             keys = indexer.keys(x_in, cos, sin)
             if cache is not None:
                 keys = cache.index_keys(keys)
-            scores = indexer(x_in, latent, keys, cos, sin)
-        visible = visible.expand_as(scores)
+            elif group is not None:
+                keys = gather_sequence(keys, group)
+            real = keys.shape[1] if shard is None or shard.real_len is None else shard.real_len
+            scores = indexer(x_in, latent, keys[:, :real], cos, sin)
+        visible = self._visible(ctx, x.shape[1], keys.shape[1], x.device)
+        visible = visible.expand(scores.shape[0], -1, -1)
         if self.indexer_training == "dense_warmup":
-            chosen = visible
+            chosen = visible[..., :real]
         else:
-            chosen = select_top_k(scores.detach(), visible, self.index_topk)
-        self.indexer_kl = indexer_kl(q, k, scores, chosen, self.softmax_scale) if trains else None
-        return chosen
+            chosen = select_top_k(scores.detach(), visible[..., :real], self.index_topk)
+        self.indexer_kl = None
+        if trains:
+            every_k = k if group is None else gather_sequence(k.detach(), group)
+            n = x.shape[1] if shard is None else shard.valid_len
+            kl = indexer_kl(
+                q[:, :n], every_k[:, :real], scores[:, :n], chosen[:, :n], self.softmax_scale
+            )
+            self.indexer_kl = kl.mean() if group is None else _whole_sequence_mean(kl, shard)
+        # A padding query keeps the padding keys it sees (itself at least), as attention needs.
+        chosen = torch.cat([chosen, visible[..., real:]], dim=-1)
+        return chosen if group is None else gather_sequence(chosen, group)
+
+    @staticmethod
+    def _visible(
+        ctx: ForwardContext, n_queries: int, n_keys: int, device: torch.device
+    ) -> torch.Tensor:
+        """[b or 1, n_queries, n_keys] True where a query may see a key: the cache's filled
+        columns when decoding, else the same document and not later (the rows of this slice's
+        queries under sequence parallelism, whose keys are the whole sequence's)."""
+        if ctx.cache is not None:
+            return ctx.cache.visible()
+        if ctx.docs is not None:
+            visible = ctx.docs.dense()[:, 0]
+        else:
+            visible = causal_band(n_keys, n_keys, None, device)[None]
+        start = 0 if ctx.shard is None else ctx.shard.start
+        return visible[:, start : start + n_queries]
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's x [b, s/sp, ...] of the SP ``group`` joined in rank order: [b, s, ...]
+    (with autograd: each slice's gradient goes back to its rank). Booleans travel as bytes."""
+    size = dist.get_world_size(group)
+    flag = x.dtype == torch.bool
+    sent = (x.to(torch.uint8) if flag else x).unsqueeze(0).expand(size, *x.shape).contiguous()
+    got = all_to_all_single_autograd(sent, None, None, group).movedim(0, 1).flatten(1, 2)
+    return got.bool() if flag else got
+
+
+def _whole_sequence_mean(kl: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """The mean of the real queries' ``kl`` [b, valid_len] over every slice of the SP group:
+    what one process holding the whole rows would take (the same on every rank; the gradient
+    of each rank's use of it is summed back)."""
+    totals = torch.stack([kl.sum(), kl.new_tensor(float(kl.numel()))])
+    totals = functional_all_reduce(totals, "sum", shard.group)
+    return totals[0] / totals[1]
