@@ -2,6 +2,7 @@
 
     python -m bench.vs_trl                                   # full SFT, rows of 512 and 1024
     python -m bench.vs_trl --modes full,lora --seq-len 512,1024 --steps 5
+    python -m bench.vs_trl --modes grpo --seq-len 64               # GRPO, 64 new tokens
 
 One random Qwen3-shaped model is saved to a temp folder with the built-in tokenizer, and a
 JSONL file of synthetic multi-turn chats (`conversations`: seeded, 60-540 tokens, median
@@ -26,6 +27,18 @@ tokens over the summed seconds, for real tokens (every non-padding position) and
 memory, the peak resident set over the timed steps (VmHWM, reset after the warm-up) minus the
 resident set before the model was built. The ratios are Temper / TRL per round (their median
 and range).
+
+GRPO (``--modes grpo``; ``--seq-len`` is then the completion length) trains the same model
+from scratch on prompts made of the chats' first user turns (``prompts.jsonl``, rendered by
+the same template on both sides), ``--batch`` of them a step with ``--group`` completions
+each, sampled at temperature 1 and scored by one reward (``bench_words``: a completion's
+words over 10, so groups differ), one update per rollout, no KL term, the token-level
+(``dapo``) loss on both sides (each tool's default), full fine-tuning. Neither side ends a
+completion before ``--seq-len`` tokens (TRL: ``min_new_tokens``; Temper:
+``objective.ignore_eos``), so both decode and train the same number of tokens. A step is the
+rollout (decoding, rewards, the forwards it needs) and the update; "real" and "trained"
+tokens are the completion tokens, "fill" those over the positions each side computed
+(padding included).
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -47,6 +61,7 @@ import torch
 from bench.train_step import _peak_rss_gib, _rss_gib, run_sides
 from temper.data.batch import IGNORE_INDEX, REAL_TOKENS
 from temper.data.chat import BUILTIN_TEMPLATE, tokenize_chat
+from temper.objectives.rewards import Record, register_reward
 
 SIDES = ("temper", "trl")
 LR = 1e-4
@@ -115,10 +130,41 @@ def make_folder(folder: Path, records: int, seed: int) -> None:
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN3_SMALL)).save_pretrained(folder)
     shutil.copy(resources.files("temper.assets") / "tokenizer.json", folder / "tokenizer.json")
     (folder / "template.jinja").write_text(BUILTIN_TEMPLATE)
+    chats = conversations(records, seed)
     with (folder / "chats.jsonl").open("w") as out:
-        for chat in conversations(records, seed):
+        for chat in chats:
             out.write(json.dumps({"messages": chat}) + "\n")
+    with (folder / "prompts.jsonl").open("w") as out:
+        for chat in chats:
+            user = next(turn for turn in chat if turn["role"] == "user")
+            out.write(json.dumps({"prompt": user["content"], "answer": ""}) + "\n")
 
+
+@register_reward("bench_words")
+def bench_words(prompt: str, completion: str, record: Record) -> float:
+    """GRPO's benchmark reward: the completion's words over 10 (a random model's completions
+    differ in how many of their ids the built-in tokenizer spells)."""
+    return len(completion.split()) / 10
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: ``mode`` (full, lora, grpo) at ``seq_len`` (grpo: new tokens), ``batch``
+    rows a step (grpo: prompts, ``group`` completions each), ``steps`` timed rounds."""
+
+    folder: str
+    mode: str
+    seq_len: int
+    batch: int
+    steps: int
+    group: int
+
+
+WARMUP = 1
+"""Untimed steps a side takes first."""
+
+PROMPT_ROOM = 96
+"""GRPO's prompt tokens at most (the chats' first user turns, rendered, are under 60)."""
 
 TIMEOUT_S = 1800.0
 """The longest a side waits for the other (a hung side stops the run)."""
@@ -191,19 +237,17 @@ class StepClock:
         }
 
 
-def run_temper(turns: Turns, folder: str, seq_len: int, batch: int, steps: int, lora: bool) -> dict:
+def run_temper(turns: Turns, case: Case) -> dict:
     from temper.config import load_config
+    from temper.objectives.rollout import COMPLETION_LENGTHS
     from temper.trainer.trainer import Trainer
 
-    warmup = 1
-    clock = StepClock("temper", turns, warmup, steps)
+    clock = StepClock("temper", turns, WARMUP, case.steps)
     argv = [
-        "--model.hf_path", folder,
-        "--data.path", f"{folder}/chats.jsonl",
-        "--data.chat_template", f"{folder}/template.jinja",
-        "--training.seq_len", str(seq_len),
-        "--training.local_batch_size", str(batch),
-        "--training.steps", str(warmup + steps),
+        "--model.hf_path", case.folder,
+        "--data.chat_template", f"{case.folder}/template.jinja",
+        "--training.local_batch_size", str(case.batch),
+        "--training.steps", str(WARMUP + case.steps),
         "--training.dtype", "float32",
         "--optimizer.lr", str(LR),
         "--optimizer.weight_decay", "0",
@@ -211,15 +255,39 @@ def run_temper(turns: Turns, folder: str, seq_len: int, batch: int, steps: int, 
         "--job.dump_folder", tempfile.mkdtemp(),
         "--metrics.no_tensorboard",
     ]  # fmt: skip
-    if lora:
-        argv += ["--lora.enable", "--lora.rank", "8", "--lora.alpha", "16"]
-    trainer = Trainer(load_config("temper.recipes.posttrain", "sft_debug", argv))
+    if case.mode == "grpo":
+        argv += [
+            "--data.path", f"{case.folder}/prompts.jsonl",
+            "--training.seq_len", str(PROMPT_ROOM + case.seq_len),
+            "--objective.group_size", str(case.group),
+            "--objective.max_new_tokens", str(case.seq_len),
+            "--objective.rewards", "bench_words",
+            "--objective.ignore_eos",
+        ]  # fmt: skip
+        config = load_config("temper.recipes.posttrain", "grpo_debug", argv)
+        config.lora.enable = False
+        config.checkpoint.initial_recipe = None  # from the random weights, as TRL's side
+    else:
+        argv += [
+            "--data.path",
+            f"{case.folder}/chats.jsonl",
+            "--training.seq_len",
+            str(case.seq_len),
+        ]
+        if case.mode == "lora":
+            argv += ["--lora.enable", "--lora.rank", "8", "--lora.alpha", "16"]
+        config = load_config("temper.recipes.posttrain", "sft_debug", argv)
+    trainer = Trainer(config)
     train_step = trainer.train_step
 
     def timed_step(micro_batches: list[dict[str, torch.Tensor]]) -> Any:
-        real = sum(int(mb[REAL_TOKENS].sum()) for mb in micro_batches)
-        trained = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-        clock.count(real, trained, sum(mb["input_ids"].numel() for mb in micro_batches))
+        positions = sum(mb["input_ids"].numel() for mb in micro_batches)
+        if case.mode == "grpo":
+            real = trained = sum(int(mb[COMPLETION_LENGTHS].sum()) for mb in micro_batches)
+        else:
+            real = sum(int(mb[REAL_TOKENS].sum()) for mb in micro_batches)
+            trained = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        clock.count(real, trained, positions)
         metrics = train_step(micro_batches)
         clock.step_end()
         return metrics
@@ -229,46 +297,78 @@ def run_temper(turns: Turns, folder: str, seq_len: int, batch: int, steps: int, 
     return clock.result()
 
 
-def run_trl(turns: Turns, folder: str, seq_len: int, batch: int, steps: int, lora: bool) -> dict:
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+def hf_tokenizer(folder: str) -> Any:
+    """The built-in tokenizer and template as transformers' tokenizer, for TRL."""
+    from transformers import PreTrainedTokenizerFast
 
-    from temper.data.tokenizer import load_tokenizer
-
-    warmup = 1
-    clock = StepClock("trl", turns, warmup, steps)
-    tokenizer = load_tokenizer(folder)
-    template = Path(folder, "template.jinja").read_text()
-    lines = Path(folder, "chats.jsonl").read_text().splitlines()
-    examples = [
-        trl_example(*tokenize_chat(tokenizer, template, json.loads(x)["messages"])) for x in lines
-    ]
-    hf_tokenizer = PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=f"{folder}/tokenizer.json", pad_token="<|pad|>", eos_token="<|endoftext|>"
     )
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    peft_config = None
-    if lora:
-        from peft import LoraConfig
+    tokenizer.chat_template = Path(folder, "template.jinja").read_text()
+    return tokenizer
 
-        peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
-    args = SFTConfig(
+
+def trl_args(steps: int, **settings: Any) -> dict[str, Any]:
+    """The settings both TRL trainers share with Temper's side."""
+    return dict(
         output_dir=tempfile.mkdtemp(),
-        max_steps=warmup + steps,
-        per_device_train_batch_size=batch,
+        max_steps=steps,
         learning_rate=LR,
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_grad_norm=1.0,
-        max_length=seq_len,
-        packing=True,
         save_strategy="no",
         report_to=[],
         logging_steps=10**6,
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
+        **settings,
+    )
+
+
+def run_trl(turns: Turns, case: Case) -> dict:
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    clock = StepClock("trl", turns, WARMUP, case.steps)
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            clock.step_end()
+
+    model = AutoModelForCausalLM.from_pretrained(case.folder, dtype=torch.float32)
+    make = trl_grpo if case.mode == "grpo" else trl_sft
+    trainer = make(clock, model, case)
+    trainer.add_callback(Clock())
+    trainer.train()
+    return clock.result()
+
+
+def trl_sft(clock: StepClock, model: Any, case: Case) -> Any:
+    """TRL's SFTTrainer on the chats as Temper tokenizes them, packed its default way."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from temper.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(case.folder)
+    template = Path(case.folder, "template.jinja").read_text()
+    lines = Path(case.folder, "chats.jsonl").read_text().splitlines()
+    examples = [
+        trl_example(*tokenize_chat(tokenizer, template, json.loads(x)["messages"])) for x in lines
+    ]
+    peft_config = None
+    if case.mode == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    args = SFTConfig(
+        **trl_args(
+            WARMUP + case.steps,
+            per_device_train_batch_size=case.batch,
+            max_length=case.seq_len,
+            packing=True,
+        )
     )
 
     class Counting(SFTTrainer):
@@ -277,20 +377,55 @@ def run_trl(turns: Turns, folder: str, seq_len: int, batch: int, steps: int, lor
             clock.count(positions, int((inputs["labels"] != IGNORE_INDEX).sum()), positions)
             return super().training_step(model, inputs, *rest)
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            clock.step_end()
-
-    trainer = Counting(
+    return Counting(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(examples),
-        processing_class=hf_tokenizer,
+        processing_class=hf_tokenizer(case.folder),
         peft_config=peft_config,
-        callbacks=[Clock()],
     )
-    trainer.train()
-    return clock.result()
+
+
+def trl_grpo(clock: StepClock, model: Any, case: Case) -> Any:
+    """TRL's GRPOTrainer on the same prompts and reward, ``batch`` prompts a step."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    records = [json.loads(x) for x in Path(case.folder, "prompts.jsonl").read_text().splitlines()]
+    prompts = [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in records]
+
+    def words(completions: list[list[dict[str, str]]], **_: Any) -> list[float]:
+        return [bench_words("", c[0]["content"], {}) for c in completions]
+
+    args = GRPOConfig(
+        **trl_args(
+            WARMUP + case.steps,
+            per_device_train_batch_size=case.batch * case.group,
+            num_generations=case.group,
+            max_completion_length=case.seq_len,
+            generation_kwargs={"min_new_tokens": case.seq_len},
+            temperature=1.0,
+            beta=0.0,
+            loss_type="dapo",
+            num_iterations=1,
+        )
+    )
+
+    class Counting(GRPOTrainer):
+        def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+            inputs = super()._prepare_inputs(generation_batch)
+            completions = int(inputs["completion_mask"].sum())
+            positions = inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
+            clock.count(completions, completions, positions)
+            return inputs
+
+    return Counting(
+        model=model,
+        reward_funcs=[words],
+        args=args,
+        train_dataset=Dataset.from_list(prompts),
+        processing_class=hf_tokenizer(case.folder),
+    )
 
 
 RUNNERS: dict[str, Callable[..., dict]] = {"temper": run_temper, "trl": run_trl}
@@ -300,15 +435,19 @@ def run_side(side: str, turns: Turns, *args: Any) -> dict:
     return RUNNERS[side](turns, *args)
 
 
-def summary(run: dict, batch: int, seq_len: int) -> dict[str, float]:
-    """A side's figures over its timed steps: median seconds, tokens over the summed seconds."""
+def summary(run: dict, row_positions: int | None) -> dict[str, float]:
+    """A side's figures over its timed steps: median seconds, tokens over the summed seconds;
+    fill is the real tokens over ``row_positions`` a step (SFT's ``batch * seq_len``), or
+    over the positions the side computed (GRPO: None)."""
     seconds = sum(run["seconds"])
-    real, trained, _ = (sum(c) for c in zip(*run["counts"], strict=True))
+    real, trained, positions = (sum(c) for c in zip(*run["counts"], strict=True))
+    if row_positions is not None:
+        positions = len(run["seconds"]) * row_positions
     return {
         "seconds_per_step": statistics.median(run["seconds"]),
         "real_tokens_per_second": real / seconds,
         "trained_tokens_per_second": trained / seconds,
-        "fill": real / (len(run["seconds"]) * batch * seq_len),
+        "fill": real / positions,
         "peak_gib": run["peak_gib"],
     }
 
@@ -336,9 +475,14 @@ COLUMNS = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.vs_trl", description=__doc__)
-    parser.add_argument("--modes", default="full", help="comma-separated: full, lora")
-    parser.add_argument("--seq-len", default="512,1024", help="comma-separated row lengths")
-    parser.add_argument("--batch", type=int, default=4, help="rows (TRL: packed sequences)")
+    parser.add_argument("--modes", default="full", help="comma-separated: full, lora, grpo")
+    parser.add_argument(
+        "--seq-len", default="512,1024", help="comma-separated row lengths (grpo: new tokens)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=4, help="rows (TRL: packed sequences); grpo: prompts"
+    )
+    parser.add_argument("--group", type=int, default=8, help="grpo: completions per prompt")
     parser.add_argument(
         "--steps", type=int, default=5, help="timed steps (rounds) a side, after one warm-up"
     )
@@ -361,10 +505,10 @@ def main() -> None:
         make_folder(Path(folder), args.records, seed=0)
         for mode in args.modes.split(","):
             for seq_len in map(int, args.seq_len.split(",")):
-                runs = run_sides(
-                    SIDES, run_side, Turns, folder, seq_len, args.batch, args.steps, mode == "lora"
-                )
-                ours, theirs = (summary(runs[side], args.batch, seq_len) for side in SIDES)
+                case = Case(folder, mode, seq_len, args.batch, args.steps, args.group)
+                runs = run_sides(SIDES, run_side, Turns, case)
+                row_positions = None if mode == "grpo" else args.batch * seq_len
+                ours, theirs = (summary(runs[side], row_positions) for side in SIDES)
                 cells = " | ".join(
                     f"{side[key]:{fmt}}" for key, _, fmt in COLUMNS for side in (ours, theirs)
                 )
