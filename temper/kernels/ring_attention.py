@@ -19,8 +19,9 @@ gradient accumulators, recomputing each block's probabilities from the saved log
 flash attention's backward does), so every rank's dK and dV come home after ``cp`` shifts. The
 next block's transfer (batched isend/irecv) is posted before the current block's compute.
 
-This is the plain-PyTorch reference (scores in fp32, ``query_tile`` queries at a time so a
-block never holds more than [b, h, query_tile, s_local] of them; on any device and gloo);
+This is the plain-PyTorch reference (scores in fp32, a tile of queries at a time so that no
+more than ``tile_scores`` of them exist at once, whatever the context length; on any device
+and gloo);
 fused per-block kernels (flash/varlen on GPU) are not built yet.
 """
 
@@ -60,7 +61,7 @@ def ring_attention(
     scale: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
-    query_tile: int = 1024,
+    tile_scores: int = 2**24,
 ) -> torch.Tensor:
     """Causal (block-causal with ``docs``) attention of this rank's queries over the whole
     sequence held by the CP ``group`` in the load-balanced layout.
@@ -69,7 +70,9 @@ def ring_attention(
     multiple of h_kv; d_v may differ from d, as in MLA); ``docs`` is the whole sequence's
     mask ([b, s * cp], global order), None for one document per row. ``scale``, ``window``
     and ``sinks`` [h] mean what they mean for ``temper.kernels.attention.attention``, with
-    columns counted globally. ``query_tile``: queries whose scores are computed at once.
+    columns counted globally. ``tile_scores``: the most scores computed at once (2^24 fp32:
+    64 MiB, and as much again for their probabilities), which sets how many queries a tile
+    holds.
     Returns [b, s, h, d_v] in q's dtype.
     """
     size = dist.get_world_size(group)
@@ -83,7 +86,7 @@ def ring_attention(
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     doc_ids = None if docs is None else docs.doc_ids
-    ring = _Ring(group, q, doc_ids, window, query_tile)
+    ring = _Ring(group, q, doc_ids, window, tile_scores)
     return _RingAttention.apply(q, k, v, sinks, ring, scale)
 
 
@@ -179,7 +182,7 @@ class _Ring:
         q: torch.Tensor,
         doc_ids: torch.Tensor | None,
         window: int | None,
-        query_tile: int,
+        tile_scores: int,
     ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
@@ -191,7 +194,8 @@ class _Ring:
         self.columns = [c.to(q.device) for c in self.host_columns]
         self.doc_ids = doc_ids
         self.window = window
-        self.query_tile = query_tile
+        b, s, h, _ = q.shape
+        self.query_tile = max(1, tile_scores // (b * h * s))
 
     def source(self, step: int) -> int:
         """The rank whose block this rank holds at ``step``."""

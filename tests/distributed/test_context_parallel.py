@@ -27,6 +27,7 @@ from temper.recipes.deepseek_v3 import deepseek_v3_debug_mtp
 from temper.recipes.deepseek_v32 import deepseek_v32_debug
 from temper.recipes.llama3 import llama3_debug
 from temper.recipes.posttrain import dpo_debug
+from temper.recipes.qwen3 import qwen3_moe_debug
 from temper.recipes.qwen3_5 import qwen3_5_debug
 
 SEQ_LEN = 24
@@ -85,7 +86,7 @@ def _docs(case: Case) -> DocumentMask | None:
     return DocumentMask.from_position_ids(_positions()) if case.packed else None
 
 
-def _ring_rank(cases: tuple[Case, ...], query_tile: int) -> list[dict[str, torch.Tensor]]:
+def _ring_rank(cases: tuple[Case, ...], tile_scores: int) -> list[dict[str, torch.Tensor]]:
     """Each case's local output and gradients on this rank."""
     import torch.distributed as dist
 
@@ -110,7 +111,7 @@ def _ring_rank(cases: tuple[Case, ...], query_tile: int) -> list[dict[str, torch
             scale=case.scale,
             window=case.window,
             sinks=sinks,
-            query_tile=query_tile,
+            tile_scores=tile_scores,
         )
         (out * inputs["grad"][:, columns]).sum().backward()
         result = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
@@ -143,14 +144,17 @@ def _reference(case: Case) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("size", "cases", "query_tile"), [(2, CP2_CASES, 5), (4, CP4_CASES, 1024)], ids=["cp2", "cp4"]
+    ("size", "cases", "tile_scores"),
+    [(2, CP2_CASES, 5 * 2 * 4 * 12), (4, CP4_CASES, 2**24)],
+    ids=["cp2", "cp4"],
 )
 def test_ring_attention_matches_one_process(
-    size: int, cases: tuple[Case, ...], query_tile: int
+    size: int, cases: tuple[Case, ...], tile_scores: int
 ) -> None:
     """Outputs and gradients of every case, each rank's tokens put back in global order; at
-    CP 2 the 12 local queries go in tiles of 5 (5, 5, 2), at CP 4 in one."""
-    ranks = run_on_ranks(_ring_rank, size, cases, query_tile)
+    CP 2 a budget of 5 rows' scores (2 rows x 4 heads x 12 keys each) puts the 12 local
+    queries in tiles of 5 (5, 5, 2), at CP 4 the default budget takes them in one."""
+    ranks = run_on_ranks(_ring_rank, size, cases, tile_scores)
     for i, case in enumerate(cases):
         want = _reference(case)
         for name, expected in want.items():
@@ -293,6 +297,22 @@ def test_llama3_trains_at_cp2_like_one_process(tmp_path: Path) -> None:
     for mode in ("none", "selective"):
         assert len(runs["cp2", mode].rows) == STEPS
         assert_same_metrics(runs["cp2", mode].rows, runs["single", "none"].rows)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_trains_at_cp2_ep2_like_one_process(tmp_path: Path) -> None:
+    """qwen3_moe_debug at CP 2 x EP 2 (the 2 ranks are the CP group, the FSDP group and the
+    expert group) on packed 30-token rows: the same losses and gradient norms as one process.
+    Both CP ranks read the same rows, so each global micro-batch is the reference's (the
+    load-balancing loss, taken over all ranks' tokens, is comparable)."""
+    cp2_ep2 = Layout("cp2_ep2", world=2, local_batch=4, parallelism={"cp": 2, "ep": 2})
+    runs = {}
+    for layout in (SINGLE, cp2_ep2):
+        config = parity_config(qwen3_moe_debug, tmp_path, layout)
+        config.training.seq_len = 30
+        config.data.isolate_documents = True
+        runs[layout.name] = train_layout(config, layout)
+    assert_same_metrics(runs["cp2_ep2"].rows, runs["single"].rows)
 
 
 def _with(recipe: Callable[[], Config], **fields: object) -> Config:
