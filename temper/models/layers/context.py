@@ -52,8 +52,9 @@ class ForwardContext:
     """Set by context parallelism's sequence core: the tokens are this rank's load-balanced
     part of each sequence, and attention runs as ring attention over this group."""
     selected: torch.Tensor | None = None
-    """[b, s, s] True at the keys each query of the whole sequence attends to: sparse
-    attention's top-k choice (DeepSeek V3.2), set by that layer for its ``mix_heads``."""
+    """[b, s_q, t] True at the keys each query attends to: sparse attention's top-k choice
+    (DeepSeek V3.2), set by that layer for its ``mix_heads`` (every query of the whole
+    sequence under sequence parallelism; the new tokens against the cache when decoding)."""
 
     @property
     def valid_len(self) -> int | None:
