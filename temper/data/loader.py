@@ -1,36 +1,31 @@
-"""From the config to batches: sources -> format -> stream (lanes, packing) -> batches.
+"""From the config to batches: the split's sources (``temper.data.sources.configured``)
+through the format ``data.format`` names (``temper.data.formats``) on one lane stream
+(``temper.data.stream``), stacked into batches.
 
 ``build_loader`` is what the trainer calls; ``build_validation_loader`` gives the held-out
-batches; ``check_data`` is the pre-flight look at the first records of every source.
+batches, ``validation_prompts`` the held-out prompts a generation check answers. The checks
+before a run are ``temper.data.checks``'.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-import re
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
-from temper.config import Config, ConfigError, Data, DataSource, check_positive, register_rule
+from temper.config import Config
 from temper.data.batch import REAL_TOKENS
 from temper.data.chat import TemplateLimits, check_messages, load_chat_template, render_chat
-from temper.data.multimodal import (
-    build_image_dataset,
-    collate,
-    has_image_parts,
-    read_image_records,
-)
-from temper.data.preference import PreferenceFormat
-from temper.data.prompts import PromptFormat, record_prompt
-from temper.data.sft import SFTFormat
-from temper.data.sources import RenamedSource, SliceSource, Source, SyntheticSource, open_source
-from temper.data.sources.base import RecordError
-from temper.data.stream import Format, LaneStream, check_fields
-from temper.data.tasks import task_source
+from temper.data.checks import check_data as check_data
+from temper.data.checks import check_data_config as check_data_config
+from temper.data.formats import format_spec
+from temper.data.formats import stack_rows as stack_rows
+from temper.data.prompts import record_prompt
+from temper.data.sources import SyntheticSource
+from temper.data.sources.configured import open_path, open_split, source_label
+from temper.data.stream import LaneStream
 from temper.data.text import TextFormat
 from temper.data.tokenizer import Tokenizer
 
@@ -64,7 +59,7 @@ class BatchLoader:
         | None = None,
     ) -> None:
         """``collate`` turns rows into a batch; None stacks every key (image rows, whose
-        pixels differ in size, bring their own: ``temper.data.multimodal.collate``)."""
+        pixels differ in size, bring their own: the format's ``FormatSpec.collate``)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.dataset = dataset
@@ -115,10 +110,6 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v[:, :keep] if v.dim() == 2 and v.shape[1] == width else v for k, v in batch.items()}
 
 
-def stack_rows(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-
-
 def text_dataset(
     tokenizer: Tokenizer,
     seq_len: int,
@@ -133,11 +124,11 @@ def text_dataset(
 ) -> LaneStream:
     """Packed text rows of ``path`` (any kind ``open_source`` reads) or, with no path, of the
     built-in synthetic stream for ``seed``."""
-    source = SyntheticSource(seed) if path is None else _open(path, text_field, {}, tokenizer)
+    source = SyntheticSource(seed) if path is None else open_path(path, text_field, {}, tokenizer)
     return LaneStream(
         [source],
         TextFormat(tokenizer, seq_len, isolate_documents),
-        labels=["builtin" if path is None else _label(path)],
+        labels=["builtin" if path is None else source_label(path)],
         lanes=lanes,
         dp_rank=dp_rank,
         dp_world=dp_world,
@@ -174,108 +165,6 @@ def build_text_loader(
     return BatchLoader(dataset, batch_size)
 
 
-def _open(
-    path: str,
-    text_field: str,
-    fields: dict[str, str],
-    tokenizer: Tokenizer,
-    max_record_bytes: int = Data.max_record_bytes,
-) -> Source:
-    fields = {"text": text_field, **fields}
-    source = open_source(path, fields["text"], tokenizer.vocab_size, max_record_bytes)
-    rename = {name: column for name, column in fields.items() if name != column}
-    return RenamedSource(source, rename) if rename else source
-
-
-def _label(path: str) -> str:
-    name = Path(path.rstrip("/")).name.split(".")[0]
-    return re.sub(r"[^A-Za-z0-9_]+", "_", name) or "source"
-
-
-def configured_sources(data: Data) -> list[tuple[str, DataSource]]:
-    """(flag prefix, source) of each configured source: ``data.sources``, else ``data.path``."""
-    if data.sources:
-        return [(f"data.sources.{i}", source) for i, source in enumerate(data.sources)]
-    if data.path is not None:
-        return [("data.path", DataSource(path=data.path))]
-    return []
-
-
-class Sources(NamedTuple):
-    sources: list[Source]
-    weights: list[float]
-    labels: list[str]
-    """Names of their logged counts: the file names, made unique with the index."""
-    flags: list[str]
-    """The flag each comes from, for error messages (``data.sources.1``)."""
-
-
-def _sources(config: Config, tokenizer: Tokenizer, split: str) -> Sources:
-    """The sources of ``split`` ("train" or "validation")."""
-    data, validation, seed = config.data, config.validation, config.training.seed
-    if split == "validation" and validation.path is not None:
-        try:
-            source = _open(validation.path, data.text_field, {}, tokenizer, data.max_record_bytes)
-        except (OSError, ValueError) as error:
-            raise type(error)(f"validation.path {validation.path}: {error}") from None
-        return Sources([source], [1.0], ["validation"], [f"validation.path {validation.path}"])
-    entries = configured_sources(data)
-    if not entries:
-        if data.format == "text":
-            source = SyntheticSource(seed if split == "train" else seed + 1_000_003)
-        else:
-            task_split = "train" if split == "train" else "eval"
-            source = task_source(data.format, seed, task_split, data.builtin_examples)
-        return Sources([source], [1.0], ["builtin"], ["the built-in tasks"])
-    found = Sources([], [], [], [])
-    for flag, entry in entries:
-        try:
-            source = _open(
-                entry.path, data.text_field, entry.fields, tokenizer, data.max_record_bytes
-            )
-        except (OSError, ValueError) as error:
-            raise type(error)(f"{flag} {entry.path}: {error}") from None
-        if validation.fraction > 0:
-            n = source.num_records or 0
-            held = math.ceil(validation.fraction * n)
-            if held >= n:
-                raise ValueError(f"{flag} {entry.path}: validation.fraction leaves no records")
-            part = (0, n - held) if split == "train" else (n - held, n)
-            source = SliceSource(source, *part, f"{source.name} ({split})")
-        found.sources.append(source)
-        found.weights.append(entry.weight)
-        found.labels.append(entry.name or _label(entry.path))
-        found.flags.append(f"{flag} {entry.path}")
-    repeated = {label for label in found.labels if found.labels.count(label) > 1}
-    found.labels[:] = [f"{x}_{i}" if x in repeated else x for i, x in enumerate(found.labels)]
-    return found
-
-
-def build_format(config: Config, tokenizer: Tokenizer) -> Format:
-    """The format ``data.format`` names, for rows of ``training.seq_len`` (prompt rows leave
-    room for the completion the objective samples)."""
-    data, seq_len = config.data, config.training.seq_len
-    if data.format == "text":
-        return TextFormat(tokenizer, seq_len, data.isolate_documents)
-    template = load_chat_template(data.chat_template, data.tokenizer_path or config.model.hf_path)
-    limits = TemplateLimits.of(data)
-    if data.format == "sft":
-        return SFTFormat(
-            tokenizer,
-            template,
-            seq_len,
-            train_on_prompt=data.train_on_prompt,
-            pack=data.pack,
-            pack_buffer=data.pack_buffer,
-            policy=data.max_length_policy,
-            limits=limits,
-        )
-    if data.format == "preference":
-        return PreferenceFormat(tokenizer, template, seq_len, data.max_length_policy, limits)
-    width = seq_len - config.objective.completion_tokens()
-    return PromptFormat(tokenizer, template, width, limits)
-
-
 def rows_per_step(config: Config, dp_world: int) -> int:
     """Rows of one optimizer step over all data-parallel ranks: the stream's lanes."""
     training = config.training
@@ -292,10 +181,11 @@ def _loader(
     split: str,
     sum_counts: Callable[[dict[str, int]], dict[str, int]] | None = None,
 ) -> BatchLoader:
-    sources = _sources(config, tokenizer, split)
+    spec = format_spec(config.data)
+    sources = open_split(config, tokenizer, split, spec.builtin, spec.opened)
     stream = LaneStream(
         sources.sources,
-        build_format(config, tokenizer),
+        spec.build(config, tokenizer),
         weights=sources.weights,
         labels=sources.labels,
         lanes=rows_per_step(config, dp_world),
@@ -304,7 +194,7 @@ def _loader(
         micro_batch=config.training.local_batch_size,
         seed=config.training.seed,
     )
-    return BatchLoader(stream, config.training.local_batch_size, sum_counts)
+    return BatchLoader(stream, config.training.local_batch_size, sum_counts, spec.collate)
 
 
 def build_loader(
@@ -315,37 +205,8 @@ def build_loader(
     sum_counts: Callable[[dict[str, int]], dict[str, int]] | None = None,
 ) -> BatchLoader:
     """This data rank's training batches (see ``temper.data.stream``); ``sum_counts`` makes
-    its logged counts the whole group's (``BatchLoader.stats``). Image chat data has a
-    stream of its own (``temper.data.multimodal``)."""
-    if is_image_data(config.data):
-        training = config.training
-        dataset = build_image_dataset(
-            config.data,
-            tokenizer,
-            training.seq_len,
-            seed=training.seed,
-            dp_rank=dp_rank,
-            dp_world=dp_world,
-            folder=config.data.tokenizer_path or config.model.hf_path,
-        )
-        return BatchLoader(dataset, training.local_batch_size, collate=collate)
+    its logged counts the whole group's (``BatchLoader.stats``)."""
     return _loader(config, tokenizer, dp_rank, dp_world, "train", sum_counts)
-
-
-def is_image_data(data: Data) -> bool:
-    """SFT data with images: the built-in image task, or a file whose records hold image
-    parts (list contents)."""
-    if data.format != "sft":
-        return False
-    if data.path is None:
-        return data.builtin_images
-    # A missing or malformed file is not taken for image data: the source check names it.
-    try:
-        return Path(data.path).is_file() and has_image_parts(
-            data.path, max_bytes=data.max_record_bytes
-        )
-    except ValueError:
-        return False
 
 
 def build_validation_loader(
@@ -353,87 +214,6 @@ def build_validation_loader(
 ) -> BatchLoader:
     """This data rank's validation batches, laid out as the training ones."""
     return _loader(config, tokenizer, dp_rank, dp_world, "validation")
-
-
-def check_data(config: Config, tokenizer: Tokenizer, limit: int) -> None:
-    """Open every source (schemas, token ids) and encode its first ``limit`` records: what a
-    run would fail on, checked cheaply before it starts. Errors name the flag and the file
-    (and line or row)."""
-    data = config.data
-    if is_image_data(data):
-        if data.path is not None:
-            records = read_image_records(data.path, limit, data.max_record_bytes)
-            roles = {message["role"] for _, messages, _ in records for message in messages}
-            if "assistant" not in roles and not data.train_on_prompt:
-                raise RecordError(
-                    f"data.path {data.path}: {data.path}: {nothing_to_train(len(records))}"
-                )
-        return
-    fmt = build_format(config, tokenizer)
-    splits = ["train"] + (["validation"] if config.validation.interval else [])
-    for split in splits:
-        found = _sources(config, tokenizer, split)
-        for source, flag in zip(found.sources, found.flags, strict=True):
-            try:
-                check_fields(source, fmt)
-                count = min(limit, source.num_records or limit)
-                kept = [fmt.encode(source.record(i), source.where(i))[0] for i in range(count)]
-                if all(sample is None for sample in kept):
-                    raise RecordError(f"{source.name}: {nothing_to_train(count)}")
-            except ValueError as error:
-                raise ValueError(f"{flag}: {error}") from None
-
-
-def nothing_to_train(count: int) -> str:
-    return (
-        f"nothing to train on: none of the {count} records checked keeps a trained token (no "
-        "assistant turn, every label masked, or too long for training.seq_len)"
-    )
-
-
-@register_rule
-def check_data_config(config: Config, world_size: int) -> None:
-    """Data and validation fields that only make sense together."""
-    data, validation = config.data, config.validation
-    if data.sources and data.path is not None:
-        raise ConfigError("data.sources and data.path are both set: give one")
-    for i, source in enumerate(data.sources):
-        if not source.path:
-            raise ConfigError(f"data.sources.{i}.path is empty")
-        if not source.weight > 0:
-            raise ConfigError(f"data.sources.{i}.weight must be > 0, got {source.weight}")
-    limits = ("data.template_timeout_s", "data.max_template_chars", "data.max_record_bytes")
-    limits += ("data.pack_buffer",)
-    check_positive(config, *limits)
-    if data.isolate_documents and data.format != "text":
-        raise ConfigError(
-            "data.isolate_documents is for data.format text (sft packing always isolates)"
-        )
-    if validation.interval < 0:
-        raise ConfigError(f"validation.interval must be >= 0, got {validation.interval}")
-    if validation.steps < 1:
-        raise ConfigError(f"validation.steps must be >= 1, got {validation.steps}")
-    if not 0.0 <= validation.fraction < 1.0:
-        raise ConfigError(f"validation.fraction must be in [0, 1), got {validation.fraction}")
-    if validation.fraction and validation.path is not None:
-        raise ConfigError("validation.fraction and validation.path are both set: give one")
-    if validation.fraction and not configured_sources(data):
-        raise ConfigError(
-            "validation.fraction holds out records of data.path or data.sources; the built-in "
-            "tasks validate on their own held-out split"
-        )
-    if validation.generate < 0 or validation.max_new_tokens < 1:
-        raise ConfigError("validation.generate must be >= 0 and validation.max_new_tokens >= 1")
-    if validation.generate and data.format not in ("sft", "prompt"):
-        raise ConfigError(
-            f"validation.generate answers held-out prompts of sft or prompt data, not "
-            f"data.format {data.format}"
-        )
-    if validation.interval and data.format == "prompt" and not validation.generate:
-        raise ConfigError(
-            "validation.interval: prompt data (grpo) has no loss on fixed batches; set "
-            "validation.generate to check greedy answers to held-out prompts"
-        )
 
 
 def validation_prompts(
@@ -445,7 +225,8 @@ def validation_prompts(
     which must be the assistant's."""
     data = config.data
     template = load_chat_template(data.chat_template, data.tokenizer_path or config.model.hf_path)
-    sources = _sources(config, tokenizer, "validation").sources
+    spec = format_spec(data)
+    sources = open_split(config, tokenizer, "validation", spec.builtin, spec.opened).sources
     records = [
         (source.record(i), source.where(i))
         for source in sources

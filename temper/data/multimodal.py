@@ -11,6 +11,10 @@ processor from transformers (its Pillow backend); image and prompt tokens never 
 Packing keeps each sample's images with it: a row's ``pixel_values`` and ``image_grid_thw``
 are its samples' in order, and ``rope_position_ids`` (multimodal rotary) restart with each
 sample, as ``position_ids`` do. A batch concatenates its rows' images (``collate``).
+
+``ImageFormat`` is the format of such records on ``temper.data.stream.LaneStream``, as text
+SFT's is: image sources mix with text ones under ``data.sources``, hold out validation
+records and are read per data-parallel rank like any other.
 """
 
 from __future__ import annotations
@@ -28,19 +32,18 @@ from PIL import Image, UnidentifiedImageError
 from temper.config import Data
 from temper.data.batch import IGNORE_INDEX, MEDIA_KEYS
 from temper.data.chat import (
-    BUILTIN_TEMPLATE,
     DEFAULT_LIMITS,
     ROLES,
     RecordError,
     TemplateLimits,
-    load_chat_template,
     read_jsonl,
     tokenize_chat,
 )
-from temper.data.example_stream import ExampleStream
 from temper.data.mrope_positions import document_mrope_positions
-from temper.data.sft import Policy, pad_id, sample_labels
-from temper.data.shapes import shape_records
+from temper.data.packing import RowPacker, fill_in_order
+from temper.data.sft import pad_id, sample_labels
+from temper.data.sources import ListSource, Record, Source
+from temper.data.stream import LaneStream
 from temper.data.tokenizer import Tokenizer
 from temper.data.vision_tokens import IMAGE_PLACEHOLDER, VisionTokenIds, vision_token_ids
 from temper.utils.paths import inside
@@ -137,7 +140,8 @@ def check_image_messages(
     value: Any, where: str, folder: Path
 ) -> tuple[list[dict[str, Any]], list[ImageLoader]]:
     """``value`` as messages whose content is a string or a list of text and image parts, and
-    a loader per image in order (paths relative to ``folder``); RecordError at ``where``."""
+    a loader per image in order (paths relative to ``folder``; the built-in task's parts hold
+    the picture itself); RecordError at ``where``."""
     if not isinstance(value, list) or not value:
         raise RecordError(f"{where}: 'messages' must be a non-empty list of messages")
     messages, images = [], []
@@ -153,6 +157,9 @@ def check_image_messages(
                     parts.append({"type": "text", "text": part["text"]})
                 elif kind == "image" and isinstance(part.get("image"), str):
                     images.append(check_image(folder / part["image"], where))
+                    parts.append({"type": "image"})
+                elif kind == "image" and isinstance(part.get("image"), Image.Image):
+                    images.append(functools.partial(part["image"].convert, "RGB"))
                     parts.append({"type": "image"})
                 else:
                     raise RecordError(
@@ -185,6 +192,40 @@ def read_image_records(
         (where, *check_image_messages(record.get("messages"), where, folder))
         for where, record in read_jsonl(path, limit, max_bytes)
     ]
+
+
+class ImageFiles:
+    """``source`` with its image parts' relative paths taken from ``folder`` (the data file's
+    own), so ``ImageFormat`` reads the same records wherever the run starts."""
+
+    def __init__(self, source: Source, folder: Path) -> None:
+        self.source = source
+        self.folder = folder
+        self.name = source.name
+        self.num_records = source.num_records
+        self.fields = source.fields
+
+    def record(self, index: int) -> Record:
+        record = self.source.record(index)
+        messages = record.get("messages")
+        if not isinstance(messages, list):
+            return record  # the format names what is wrong
+        return {**record, "messages": [self._resolve(m) for m in messages]}
+
+    def _resolve(self, message: Any) -> Any:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            return message
+        parts = [
+            {**part, "image": str(self.folder / part["image"])}
+            if isinstance(part, dict) and isinstance(part.get("image"), str)
+            else part
+            for part in content
+        ]
+        return {**message, "content": parts}
+
+    def where(self, index: int) -> str:
+        return self.source.where(index)
 
 
 class _ExpandingEncoder:
@@ -270,50 +311,125 @@ def image_samples(
     return samples
 
 
-def image_row_builder(
+def image_row(
+    samples: Sequence[ImageSample],
     seq_len: int,
     fill: int,
     pack: bool,
     processor: Qwen2VLImageProcessorPil,
     image_token_id: int,
-) -> Callable[[Callable[[int], ImageSample | None]], tuple[dict[str, torch.Tensor], int]]:
-    """Row builder for ``ExampleStream``: as ``temper.data.sft.sft_row`` (in reading order),
-    with each sample's pixels, grids and multimodal positions."""
-    merge = processor.merge_size
-
-    def build(peek: Callable[[int], ImageSample | None]) -> tuple[dict[str, torch.Tensor], int]:
-        input_ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-        rope: list[torch.Tensor] = []
-        images: list[Image.Image] = []
-        used = 0
-        while (sample := peek(used)) is not None:
-            inputs, targets = sample_labels(sample.ids, sample.trains)
-            if used and (not pack or len(input_ids) + len(inputs) > seq_len):
-                break
-            rope.append(
-                document_mrope_positions(torch.tensor(inputs), sample.grids, image_token_id, merge)
+) -> dict[str, torch.Tensor]:
+    """The row of ``samples`` (whole, in order), as ``temper.data.sft.sft_row``, with each
+    sample's pixels, grids and multimodal positions (restarting per sample)."""
+    input_ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    rope: list[torch.Tensor] = []
+    images: list[Image.Image] = []
+    for sample in samples:
+        inputs, targets = sample_labels(sample.ids, sample.trains)
+        rope.append(
+            document_mrope_positions(
+                torch.tensor(inputs), sample.grids, image_token_id, processor.merge_size
             )
-            input_ids += inputs
-            labels += targets
-            positions += range(len(inputs))
-            images += [load() for load in sample.images]
-            used += 1
-        pad = seq_len - len(input_ids)
-        pixel_values, grids = process_images(processor, images)
-        row = {
-            "input_ids": torch.tensor(input_ids + [fill] * pad),
-            "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
-            "pixel_values": pixel_values,
-            "image_grid_thw": grids,
-            "rope_position_ids": torch.cat([*rope, torch.arange(pad).expand(3, -1)], dim=1),
-        }
-        if pack:
-            row["position_ids"] = torch.tensor(positions + list(range(pad)))
-        return row, used
+        )
+        input_ids += inputs
+        labels += targets
+        positions += range(len(inputs))
+        images += [load() for load in sample.images]
+    pad = seq_len - len(input_ids)
+    pixel_values, grids = process_images(processor, images)
+    row = {
+        "input_ids": torch.tensor(input_ids + [fill] * pad),
+        "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
+        "pixel_values": pixel_values,
+        "image_grid_thw": grids,
+        "rope_position_ids": torch.cat([*rope, torch.arange(pad).expand(3, -1)], dim=1),
+    }
+    if pack:
+        row["position_ids"] = torch.tensor(positions + list(range(pad)))
+    return row
 
-    return build
+
+def image_width(sample: ImageSample) -> int:
+    """Positions a sample takes in a row: its inputs, all tokens but the last."""
+    return len(sample.ids) - 1
+
+
+class ImageFormat:
+    """Chat records whose contents may hold image parts to samples with their images (see the
+    module docstring). Records without images are plain chat samples in the same rows, so an
+    image source mixes with a text one. Packing takes whole samples in reading order and
+    holds nothing between rows (``fill_in_order``): image samples are not saved with the
+    data state. A sample longer than ``seq_len + 1`` tokens is dropped whatever
+    ``data.max_length_policy`` says: cutting it could split an image's tokens."""
+
+    required = (("messages",),)
+    shuffle = True
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: str,
+        processor: Qwen2VLImageProcessorPil,
+        seq_len: int,
+        *,
+        train_on_prompt: bool = False,
+        pack: bool = True,
+        limits: TemplateLimits = DEFAULT_LIMITS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.processor = processor
+        self.seq_len = seq_len
+        self.train_on_prompt = train_on_prompt
+        self.pack = pack
+        self.limits = limits
+
+    def sample(self, record: Record, where: str) -> ImageSample:
+        """The record tokenized, its image parts (paths or in-memory pictures) checked."""
+        messages, images = check_image_messages(record.get("messages"), where, Path())
+        return image_samples(
+            [(where, messages, images)],
+            self.tokenizer,
+            self.template,
+            self.processor,
+            self.train_on_prompt,
+            self.limits,
+        )[0]
+
+    def fit(self, sample: ImageSample) -> tuple[ImageSample | None, str | None]:
+        """The sample, or None ("dropped") when over-long or with nothing to train on."""
+        if len(sample.ids) <= self.seq_len + 1 and any(sample.trains[1:]):
+            return sample, None
+        return None, "dropped"
+
+    def encode(self, record: Record, where: str) -> tuple[ImageSample | None, str | None]:
+        return self.fit(self.sample(record, where))
+
+    def tokens(self, sample: ImageSample) -> int:
+        return len(sample.ids)
+
+    def packer(self) -> RowPacker:
+        build = functools.partial(
+            image_row,
+            seq_len=self.seq_len,
+            fill=pad_id(self.tokenizer),
+            pack=self.pack,
+            processor=self.processor,
+            image_token_id=vision_token_ids(self.tokenizer).image,
+        )
+        room = self.seq_len if self.pack else 0
+        return RowPacker(lambda reader: build(fill_in_order(reader, image_width, room)))
+
+
+class _EncodedImages(ImageFormat):
+    """Records that hold an already tokenized ``ImageSample`` under ``"sample"``."""
+
+    required = (("sample",),)
+
+    def encode(self, record: Record, where: str) -> tuple[ImageSample | None, str | None]:
+        return self.fit(record["sample"])
 
 
 def image_sft_dataset(
@@ -323,20 +439,16 @@ def image_sft_dataset(
     seq_len: int,
     *,
     pack: bool = True,
-    policy: Policy = "drop",
     seed: int = 0,
+    lanes: int = 1,
     dp_rank: int = 0,
     dp_world: int = 1,
-) -> ExampleStream:
-    """The row stream of image SFT samples. A sample longer than ``seq_len + 1`` tokens is
-    dropped whatever ``policy`` says: cutting it could split an image's tokens."""
-    del policy  # over-long image samples are always dropped (see above)
-    kept = [s for s in samples if len(s.ids) <= seq_len + 1 and any(s.trains[1:])]
-    stats = {"truncated": 0, "dropped": len(samples) - len(kept)}
-    builder = image_row_builder(
-        seq_len, pad_id(tokenizer), pack, processor, vision_token_ids(tokenizer).image
-    )
-    return ExampleStream(kept, builder, seed=seed, dp_rank=dp_rank, dp_world=dp_world, stats=stats)
+) -> LaneStream:
+    """The row stream of tokenized image SFT samples (see ``ImageFormat``; ``LaneStream``
+    for ``lanes``)."""
+    fmt = _EncodedImages(tokenizer, "", processor, seq_len, pack=pack)
+    source = ListSource([{"sample": s} for s in samples], "image samples")
+    return LaneStream([source], fmt, lanes=lanes, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
 
 
 def collate(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -352,39 +464,3 @@ def collate(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
             [r["pixel_values"] for r in rows if len(r["image_grid_thw"])]
         )
     return batch
-
-
-def build_image_dataset(
-    data: Data,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    *,
-    seed: int,
-    dp_rank: int,
-    dp_world: int,
-    folder: str | None,
-) -> ExampleStream:
-    """The image SFT stream of a run: the user's image chat JSONL (``data.path``), or the
-    built-in shapes task's training split; template and image processor from ``folder`` (the
-    model's), else the built-in ones."""
-    template = load_chat_template(data.chat_template, folder)
-    if template == BUILTIN_TEMPLATE:
-        template = BUILTIN_VL_TEMPLATE
-    processor = load_image_processor(folder)
-    records = (
-        read_image_records(data.path, max_bytes=data.max_record_bytes)
-        if data.path is not None
-        else shape_records(seed, "train", data.builtin_examples)
-    )
-    limits = TemplateLimits.of(data)
-    samples = image_samples(records, tokenizer, template, processor, data.train_on_prompt, limits)
-    return image_sft_dataset(
-        samples,
-        tokenizer,
-        processor,
-        seq_len,
-        pack=data.pack,
-        seed=seed,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-    )

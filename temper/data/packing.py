@@ -78,6 +78,30 @@ class TokenPacker:
         self.buffer = list(state["buffer"])
 
 
+class EpochReader(LaneReader, Protocol):
+    def epoch(self) -> int:
+        """The epoch of its source the next sample comes from."""
+        ...
+
+
+def fill_in_order(reader: EpochReader, width: Callable[[Any], int], room: int) -> list[Any]:
+    """The next sample and, while the following one is of the same epoch and fits in what is
+    left of ``room`` positions, that one too: whole samples in reading order (``room`` 0: one
+    a row), a sample never beside its own next copy. Nothing waits between rows, so a packer
+    built on it has no state."""
+    epoch = reader.epoch()
+    samples = [reader.take()]
+    used = width(samples[0])
+    while (
+        (ahead := reader.peek()) is not None
+        and reader.epoch() == epoch
+        and used + width(ahead) <= room
+    ):
+        samples.append(reader.take())
+        used += width(samples[-1])
+    return samples
+
+
 class RowPacker:
     """Rows built from the reader alone, with no state of their own: ``build`` takes the
     samples a row holds (one padded pair, one prompt, as many SFT samples as fit)."""

@@ -77,3 +77,25 @@ def shape_records(
             (f"shapes:{split}:{i}", shape_conversation(question, facts["answer"]), [facts["image"]])
         )
     return records
+
+
+class ShapeSource:
+    """The task's ``count`` examples of ``split`` as chat records whose image part holds the
+    picture, drawn when the record is read (a ``temper.data.sources.Source``)."""
+
+    fields = None
+
+    def __init__(self, seed: int, split: Split, count: int) -> None:
+        self.seed = seed
+        self.split = split
+        self.num_records: int | None = count
+        self.name = f"builtin shapes {split}"
+
+    def record(self, index: int) -> dict[str, Any]:
+        facts, question, _ = shape_example(self.seed, self.split, index)
+        user, answer = shape_conversation(question, facts["answer"])
+        picture = {"type": "image", "image": facts["image"]()}
+        return {"messages": [{**user, "content": [picture, *user["content"][1:]]}, answer]}
+
+    def where(self, index: int) -> str:
+        return f"shapes:{self.split}:{index}"

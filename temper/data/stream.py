@@ -114,7 +114,7 @@ class Lane:
         self.taken, self.tokens = [0] * n, [0] * n
         self.truncated = self.dropped = self.rows = 0
         self.packer = stream.format.packer()
-        self._ahead: tuple[int, Any, str | None] | None = None
+        self._ahead: tuple[int, Any, str | None, int] | None = None
 
     def _source(self) -> int:
         weights = self.stream.weights
@@ -134,7 +134,8 @@ class Lane:
                 )
             s = self._source()
             source, order = self.stream.sources[s], self.stream.orders[s]
-            record = order(self.index + self.taken[s] * self.stream.lanes)
+            position = self.index + self.taken[s] * self.stream.lanes
+            record = order(position)
             where = source.where(record)
             try:
                 sample, outcome = self.stream.format.encode(source.record(record), where)
@@ -146,12 +147,17 @@ class Lane:
                 self.dropped += 1
                 dropped += 1
                 continue
-            self._ahead = s, sample, outcome
+            self._ahead = s, sample, outcome, position // (source.num_records or position + 1)
         return self._ahead[1]
+
+    def epoch(self) -> int:
+        """The epoch of its source the next sample comes from."""
+        self.peek()
+        return self._ahead[3]
 
     def take(self) -> Any:
         sample = self.peek()
-        s, _, outcome = self._ahead
+        s, _, outcome, _ = self._ahead
         self._ahead = None
         self.draws += 1
         self.taken[s] += 1
@@ -286,8 +292,6 @@ class LaneStream:
 def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The whole stream's state from the ranks' ``state_dict``s (copies of a rank, as
     sequence-parallel peers hold, may repeat)."""
-    if states[0].get("global"):  # a position every rank holds alike (``ExampleStream``)
-        return states[0]
     merged = {**states[0], "lane": {}}
     for state in states:
         if state["lanes"] != merged["lanes"]:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from temper.checkpoint.adapter import read_peft_adapter
 from temper.config import Config, ConfigError, LoRA
 from temper.data.batch import Batch
-from temper.data.loader import is_image_data
+from temper.data.formats import image_paths, is_image_data
 from temper.data.tokenizer import Tokenizer, builtin_tokenizer_path, load_tokenizer
 from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
 from temper.kernels.dispatch import configure_kernels
@@ -301,7 +301,7 @@ def build_run_model(config: Config, tokenizer: Tokenizer) -> nn.Module:
         raise ConfigError(str(error)) from None
     if is_image_data(config.data) and not isinstance(model, VisionModel):
         raise ConfigError(
-            f"data.path {config.data.path or '(built-in image task)'} holds images, but "
+            f"data {image_paths(config.data) or '(built-in image task)'} holds images, but "
             f"{type(model).__name__} has no vision tower: train a vision-language model "
             "(qwen3_5_vl, qwen3_5_moe_vl or such an HF folder)"
         )

@@ -11,6 +11,7 @@ right one; guessing scores about 0.29.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from temper.data.multimodal import (
     BUILTIN_VL_TEMPLATE,
     builtin_image_processor,
     collate,
-    image_row_builder,
+    image_row,
     image_samples,
 )
 from temper.data.sft import pad_id
@@ -60,12 +61,13 @@ def shape_accuracy(trainer: Trainer, count: int = EVAL_EXAMPLES) -> dict[str, fl
     """Held-out accuracy of the model's choice among each question's answers."""
     engine, config = trainer.engine, trainer.config
     tokenizer, processor = engine.tokenizer, builtin_image_processor()
-    build = image_row_builder(
-        config.training.seq_len,
-        pad_id(tokenizer),
-        False,
-        processor,
-        vision_token_ids(tokenizer).image,
+    build = functools.partial(
+        image_row,
+        seq_len=config.training.seq_len,
+        fill=pad_id(tokenizer),
+        pack=False,
+        processor=processor,
+        image_token_id=vision_token_ids(tokenizer).image,
     )
     engine.model.eval()
     right = 0
@@ -75,7 +77,7 @@ def shape_accuracy(trainer: Trainer, count: int = EVAL_EXAMPLES) -> dict[str, fl
             (f"eval {i}", shape_conversation(question, c), [facts["image"]]) for c in choices
         ]
         samples = image_samples(records, tokenizer, BUILTIN_VL_TEMPLATE, processor)
-        rows = [build(lambda k, s=s: s if k == 0 else None)[0] for s in samples]
+        rows = [build([sample]) for sample in samples]
         batch = {k: v.to(engine.device) for k, v in collate(rows).items()}
         media = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "rope_position_ids")}
         log_probs, _ = log_probs_from_logits(

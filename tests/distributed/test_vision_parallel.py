@@ -44,8 +44,8 @@ def test_sp_image_batch_equals_one_process() -> None:
 def _sp_rank() -> tuple[dict[str, Any], dict[str, Any]] | None:
     import torch.distributed as dist
 
-    from temper.config import Data
-    from temper.data.multimodal import build_image_dataset, collate
+    from temper.config import Config, Data
+    from temper.data.loader import build_loader
     from temper.data.tokenizer import load_tokenizer
     from temper.models import build_model, materialize
     from temper.objectives import CausalLM
@@ -61,12 +61,9 @@ def _sp_rank() -> tuple[dict[str, Any], dict[str, Any]] | None:
     model = materialize(model, "cpu")
     model.load_state_dict(reference.state_dict())
 
-    data = Data(format="sft", builtin_images=True, builtin_examples=8)
-    rows = build_image_dataset(
-        data, load_tokenizer(None), 45, seed=0, dp_rank=0, dp_world=1, folder=None
-    )
-    stream = iter(rows)
-    batch = collate([next(stream), next(stream)])
+    config = Config(data=Data(format="sft", builtin_images=True, builtin_examples=8))
+    config.training.seq_len, config.training.local_batch_size = 45, 2
+    batch = next(iter(build_loader(config, load_tokenizer(None), 0, 1)))
     assert len(batch["image_grid_thw"]) >= 3  # several images in a packed row
 
     def run(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
