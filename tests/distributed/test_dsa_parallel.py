@@ -53,12 +53,17 @@ def test_expert_and_sequence_parallel_dsa_trains_like_one_process(
     assert reference.rows[-1]["indexer_kl"] < reference.rows[0]["indexer_kl"]
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "rows"])
-def test_padded_slices_give_one_process_gradients(packed: bool) -> None:
+@pytest.mark.parametrize(
+    ("family", "packed"),
+    [("deepseek_v32", False), ("glm_moe_dsa", True)],
+    ids=["deepseek_v32-rows", "glm_moe_dsa-shared-packed"],
+)
+def test_padded_slices_give_one_process_gradients(family: str, packed: bool) -> None:
     """79 tokens (packed: documents of 70 and 9) padded to 80 over 2 SP ranks, the indexer
-    trained (sparse): the loss with its weighted KL, the KL itself and every parameter's
-    gradient, the indexers' included, equal one process's on the unpadded rows."""
-    got, want = run_on_ranks(_padded_batch_rank, 2, packed)[0]
+    trained (sparse; GLM-5 with layers that reuse the choice before them): the loss with its
+    weighted KL, the KL itself and every parameter's gradient, the indexers' included, equal
+    one process's on the unpadded rows."""
+    got, want = run_on_ranks(_padded_batch_rank, 2, family, packed)[0]
     assert got["kl"].item() == pytest.approx(want["kl"].item(), rel=1e-5)
     assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=1e-6)
     assert got["grads"].keys() == want["grads"].keys()
@@ -67,7 +72,7 @@ def test_padded_slices_give_one_process_gradients(packed: bool) -> None:
         torch.testing.assert_close(grad, want["grads"][name], rtol=1e-5, atol=1e-5 * scale)
 
 
-def _padded_batch_rank(packed: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def _padded_batch_rank(family: str, packed: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
     import torch.distributed as dist
 
     from temper.models import build_model, materialize
@@ -77,9 +82,11 @@ def _padded_batch_rank(packed: bool) -> tuple[dict[str, Any], dict[str, Any]] | 
 
     init_runtime()
     torch.manual_seed(0)
-    sparse = {"indexer_training": "sparse"}
-    reference = materialize(build_model("deepseek_v32", "debug", overrides=sparse), "cpu")
-    model = build_model("deepseek_v32", "debug", overrides=sparse)
+    overrides: dict[str, Any] = {"indexer_training": "sparse"}
+    if family == "glm_moe_dsa":
+        overrides["indexer_types"] = ("full", "shared", "full", "shared")
+    reference = materialize(build_model(family, "debug", overrides=overrides), "cpu")
+    model = build_model(family, "debug", overrides=overrides)
     sp = SequenceParallel(dist.group.WORLD)
     sp.apply(model)
     model = materialize(model, "cpu")
