@@ -4,7 +4,9 @@ Llama 3, Qwen3 and Qwen3-MoE debug recipes at SP 2 and at SP 2 x FSDP 2, and Qwe
 SP 2 x EP 2: each layout's losses and gradient norms over ``training.STEPS`` (5) steps of
 8 x 32 tokens are within 1e-5 relative of one process accumulating the same global batch
 (``training.py``; 32 tokens rather than its 64 keep the 12 runs inside CI's time). Qwen3-MoE
-also trains at 31 tokens, padded to 32 over the SP ranks. Runs use the trainer's default kernels.
+also trains at 31 tokens, padded to 32 over the SP ranks, and so does DeepSeek V3, whose expert
+bias moves after each step by a load that must leave the padding out. Runs use the trainer's
+default kernels.
 
 Every layout's global micro-batch holds the reference's micro-batch (data ranks take rows in
 turn), so the MoE load-balancing loss, which is not a sum over tokens and is taken over all
@@ -24,6 +26,7 @@ from training import SINGLE, STEPS, Layout, Run, assert_same_metrics, parity_con
 from training import train as train_layout
 
 from temper.config import Config
+from temper.recipes.deepseek_v3 import deepseek_v3_debug
 from temper.recipes.llama3 import llama3_debug
 from temper.recipes.qwen3 import qwen3_debug, qwen3_moe_debug
 
@@ -89,6 +92,20 @@ def test_padded_sequences_train_like_unpadded(
 ) -> None:
     """31 tokens pad to 32 at SP 2; the losses and grad norms are those of 31 unpadded."""
     _check(qwen3_moe_debug, SP2, folder, references, seq_len=SEQ_LEN - 1)
+
+
+def test_padding_stays_out_of_the_expert_bias_load(folder: Path) -> None:
+    """DeepSeek V3's aux-loss-free balancing at SP 2 on 31 tokens padded to 32: the load that
+    moves the expert bias after each step counts real tokens only, so steps 2 and 3 (routed
+    with the moved bias) still train like one process on the unpadded 31 (1e-5)."""
+    runs = []
+    for layout in (SINGLE, SP2):
+        config = _config(deepseek_v3_debug, folder, layout, SEQ_LEN - 1)
+        config.training.steps = 3
+        runs.append(train_layout(config, layout))
+    single, sp2 = runs
+    assert len(sp2.rows) == 3
+    assert_same_metrics(sp2.rows, single.rows)
 
 
 def test_padding_gets_no_gradient_and_changes_nothing() -> None:

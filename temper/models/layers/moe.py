@@ -105,8 +105,9 @@ class MoE(nn.Module):
             init_linear(self.shared_gate, std)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """x [b, s, dim]; the routing statistics leave out the right padding of a
-        sequence-parallel slice (after ``ctx.valid_len`` tokens of each row)."""
+        """x [b, s, dim]; the routing statistics and the balancing router's load leave out
+        the right padding of a sequence-parallel slice (after ``ctx.valid_len`` tokens of
+        each row)."""
         valid_len = None if ctx is None else ctx.valid_len
         tokens = x.reshape(-1, x.shape[-1])
         probs, weights, experts = self.router(tokens, self._replayed(x))
@@ -114,13 +115,22 @@ class MoE(nn.Module):
             self.record.append(experts.view(*x.shape[:2], -1))
         rows, order, counts = permute(tokens, experts, self.n_experts)
         out = self.dispatcher(self.experts, rows, counts)
+        real_experts = experts if valid_len is None else _real(x.shape[:2], valid_len, experts)
+        if isinstance(self.router, GroupLimitedRouter):
+            self.router.count(real_experts)
         if self.routing is None:
             if valid_len is None:
                 self.routing = RoutingStats(
                     counts, probs.sum(dim=0), tokens.shape[0], _entropy_sum(probs)
                 )
             else:
-                self.routing = _real_token_routing(x.shape[:2], valid_len, probs, experts)
+                real_probs = _real(x.shape[:2], valid_len, probs)
+                self.routing = RoutingStats(
+                    tokens_per_expert(real_experts, self.n_experts),
+                    real_probs.sum(dim=(0, 1)),
+                    real_probs.shape[0] * real_probs.shape[1],
+                    _entropy_sum(real_probs),
+                )
         out = unpermute(out, order, weights).view_as(x)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
@@ -153,18 +163,13 @@ def clear_routing(model: nn.Module) -> None:
         layer.routing = None
 
 
-def _real_token_routing(
-    rows: torch.Size, valid_len: int, probs: torch.Tensor, experts: torch.Tensor
-) -> RoutingStats:
-    """Routing statistics of each of ``rows`` [b, s]'s first ``valid_len`` tokens: a slice of
-    the padded layout, so no boolean mask and no host sync. Summed over sequence-parallel
-    ranks they are those of the whole unpadded sequence."""
+def _real(rows: torch.Size, valid_len: int, per_token: torch.Tensor) -> torch.Tensor:
+    """``per_token`` [b * s, ...] of ``rows`` [b, s] as [b, valid_len, ...]: each row's first
+    ``valid_len`` tokens, a slice of the padded layout (no boolean mask, no host sync). Summed
+    over sequence-parallel ranks, statistics of these are those of the whole unpadded
+    sequence."""
     b, s = rows
-    real_probs = probs.view(b, s, -1)[:, :valid_len]
-    real_experts = experts.view(b, s, -1)[:, :valid_len]
-    counts = tokens_per_expert(real_experts, probs.shape[-1])
-    n_tokens = b * real_probs.shape[1]
-    return RoutingStats(counts, real_probs.sum(dim=(0, 1)), n_tokens, _entropy_sum(real_probs))
+    return per_token.view(b, s, -1)[:, :valid_len]
 
 
 @torch.no_grad()

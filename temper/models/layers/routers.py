@@ -89,7 +89,8 @@ class GroupLimitedRouter(nn.Module):
 
     ``expert_bias`` (HF's ``e_score_correction_bias``) is the auxiliary-loss-free balancing
     term: it steers the choice and never the weights, so it needs no gradient, and
-    ``update_expert_bias`` moves it against the load counted in ``load`` while training.
+    ``update_expert_bias`` moves it against the load that the MoE layer adds to ``load``
+    (``count``) from its real tokens while training.
     """
 
     def __init__(
@@ -119,20 +120,23 @@ class GroupLimitedRouter(nn.Module):
         load-balancing loss reads), weights [n, k] (x's dtype), experts [n, k].
         ``experts`` [n, k] (router replay): take these instead of choosing, weighted by their
         affinities as chosen ones would be.
-
-        Counts the choices into ``load`` in training mode with autograd on. An activation
-        checkpoint's recomputation counts a layer's tokens twice (eager; a compiled block
-        counts them once), which scales all of that layer's counts alike and so leaves the
-        sign of each bias update unchanged.
         """
         scores = self.score(F.linear(x.float(), self.gate.weight.float()))
         if experts is None:
             experts = self._choose(scores)
         weights = chosen_weights(scores, experts, self.norm_topk_prob, self.scaling_factor)
-        if self.training and torch.is_grad_enabled():
-            self.load += tokens_per_expert(experts, self.load.numel())
         probs = scores / scores.sum(dim=-1, keepdim=True)
         return probs, weights.to(x.dtype), experts
+
+    def count(self, experts: torch.Tensor) -> None:
+        """Add the choices ``experts`` [..., k] of real tokens to ``load`` (in training mode
+        with autograd on only). The caller leaves padding out: counted, it would pull the
+        bias of the experts padding goes to, and one process, without that padding, would
+        move it differently. An activation checkpoint's recomputation counts a layer's tokens
+        twice (eager; a compiled block counts them once), which scales all of that layer's
+        counts alike and so leaves the sign of each bias update unchanged."""
+        if self.training and torch.is_grad_enabled():
+            self.load += tokens_per_expert(experts, self.load.numel())
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The top k experts [n, k] by biased affinity within each token's best groups."""
