@@ -222,11 +222,13 @@ def test_packed_documents_compress_apart() -> None:
     positions = torch.cat((torch.arange(11), torch.arange(13)))[None]
     doc_ids = torch.cat((torch.zeros(11), torch.ones(13))).long()[None]
     windows = Windows.of(positions, doc_ids, 4)
-    assert windows.starts.tolist() == [[0, 4, 11, 15, 19]]
-    assert windows.has_previous.tolist() == [[False, True, False, True, True]]
+    # 5 windows in 24 // 4 = 6 slots; the last is not valid.
+    assert windows.starts.tolist() == [[0, 4, 11, 15, 19, 0]]
+    assert windows.valid.tolist() == [[True] * 5 + [False]]
+    assert windows.has_previous.tolist() == [[False, True, False, True, True, False]]
     # The query at token 14 (position 3 of document 1) sees its first window only.
-    assert windows.visible()[0, 14].tolist() == [False, False, True, False, False]
-    assert windows.visible()[0, 10].tolist() == [True, True, False, False, False]
+    assert windows.visible()[0, 14].tolist() == [False, False, True, False, False, False]
+    assert windows.visible()[0, 10].tolist() == [True, True, False, False, False, False]
 
 
 def test_csa_compressor_and_indexer_match_transformers() -> None:

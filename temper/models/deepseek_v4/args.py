@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from temper.config import ConfigError, Parallelism
 from temper.models.fit import check_decoder_layout
 from temper.models.layers.args import DecoderArgs, MoEArgs, checked_layer_types
+from temper.models.layers.rope import YarnScaling
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -117,6 +118,21 @@ def default_mlp_layer_types(n_layers: int, n_hash: int = 3) -> tuple[str, ...]:
     return (HASH_MOE,) * min(n_layers, n_hash) + ("moe",) * max(n_layers - n_hash, 0)
 
 
+def flash_layer_types(n_layers: int) -> tuple[str, ...]:
+    """Two sliding layers, then CSA and HCA in turn (``compress_ratios`` 0, 0, 4, 128, 4...)."""
+    return (SLIDING,) * min(n_layers, 2) + tuple(
+        HCA if i % 2 else CSA for i in range(max(n_layers - 2, 0))
+    )
+
+
+V4_YARN = YarnScaling(
+    factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0,
+    attention_factor=1.0,
+)  # fmt: skip
+"""The released configs' ``rope_scaling``, on the compressed layers' rotary (attention factor
+1, as transformers fixes it for V4)."""
+
+
 FLAVORS: dict[str, DeepseekV4Args] = {
     # Trains on a CPU with the built-in tokenizer: one layer of each attention type (and a
     # second CSA), a hash-routed layer then top-k ones; CSA keeps 8 of the entries of 4 tokens,
@@ -144,9 +160,10 @@ FLAVORS: dict[str, DeepseekV4Args] = {
         moe_hidden_dim=64,
         max_seq_len=2048,
     ),
-    # transformers' DeepseekV4Config defaults, documented as DeepSeek-V4-Flash-Base's sizes
-    # (its layer schedule is the class's default rule; a hub folder's config.json is read
-    # as it is).
+    # DeepSeek-V4-Flash (~284B): DeepseekV4Config's defaults (documented there as
+    # DeepSeek-V4-Flash-Base's sizes), with the compressed layers' YaRN and the layer schedule
+    # (two sliding layers, then CSA and HCA in turn) of the published config.json files of
+    # Flash derivatives; load the released folder with --model.hf_path for its exact schedule.
     "flash": DeepseekV4Args(
         dim=4096,
         n_layers=43,
@@ -158,7 +175,7 @@ FLAVORS: dict[str, DeepseekV4Args] = {
         o_groups=8,
         o_lora_rank=1024,
         sliding_window=128,
-        layer_types=default_layer_types(43),
+        layer_types=flash_layer_types(43),
         mlp_layer_types=default_mlp_layer_types(43),
         index_n_heads=64,
         index_head_dim=128,
@@ -166,6 +183,33 @@ FLAVORS: dict[str, DeepseekV4Args] = {
         n_experts=256,
         top_k=6,
         moe_hidden_dim=2048,
+        rope_scaling=V4_YARN,
+        max_seq_len=1048576,
+    ),
+    # DeepSeek-V4-Pro: the sizes of its published config.json (128 heads, 384 experts of 3072,
+    # 61 layers); the layer schedule is transformers' default rule, which its config class
+    # documents as V4-Pro's (two HCA layers, then CSA and HCA in turn).
+    "pro": DeepseekV4Args(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        vocab_size=129280,
+        head_dim=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=1536,
+        o_groups=16,
+        o_lora_rank=1024,
+        sliding_window=128,
+        layer_types=default_layer_types(61),
+        mlp_layer_types=default_mlp_layer_types(61),
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        n_experts=384,
+        top_k=6,
+        moe_hidden_dim=3072,
+        routed_scaling_factor=2.5,
+        rope_scaling=V4_YARN,
         max_seq_len=1048576,
     ),
 }

@@ -210,9 +210,10 @@ class DeepseekV4Transformer(nn.Module):
         shard: SequenceShard | None = None,
     ) -> torch.Tensor:
         """Final-norm output [b, s, dim] of whole rows of token ids [b, s] at ``position_ids``
-        (default 0..s-1); ``docs`` (or, without it, restarts in ``position_ids``) keeps packed
-        documents apart. With a KV ``cache`` (decoding) the tokens follow those of earlier
-        calls. A sequence-parallel ``shard`` is refused: not built for V4 yet."""
+        (default 0..s-1); ``docs`` (from the full batch's ``position_ids``) keeps packed
+        documents apart, without it each row is one causal sequence. With a KV ``cache``
+        (decoding) the tokens follow those of earlier calls. A sequence-parallel ``shard`` is
+        refused: not built for V4 yet."""
         return self._hidden_states(input_ids, position_ids, docs, cache, shard)
 
     def _hidden_states(
@@ -242,8 +243,13 @@ class DeepseekV4Transformer(nn.Module):
             caches = list(cache.extend(s))
             # Every token so far: the compressors and the windows read the whole history.
             positions = caches[0].keep("positions", positions)
-        if docs is None:
-            docs = DocumentMask.from_position_ids(positions)
+        if docs is not None:
+            doc_ids = docs.doc_ids
+        elif cache is not None:
+            # Left padding: each padding column its own document, away from the real tokens.
+            doc_ids = DocumentMask.from_position_ids(positions).doc_ids
+        else:
+            doc_ids = torch.zeros_like(positions)
         rotary = {
             SLIDING: rope_cos_sin(self.inv_freq, positions),
             CSA: rope_cos_sin(self.compress_inv_freq, positions),
@@ -251,7 +257,7 @@ class DeepseekV4Transformer(nn.Module):
         rotary[HCA] = rotary[CSA]
         ratios = {SLIDING: None, CSA: self.args.csa_ratio, HCA: self.args.hca_ratio}
         windows = {
-            kind: None if ratio is None else Windows.of(positions, docs.doc_ids, ratio)
+            kind: None if ratio is None else Windows.of(positions, doc_ids, ratio)
             for kind, ratio in ratios.items()
             if kind in self.args.layer_types
         }
@@ -261,7 +267,7 @@ class DeepseekV4Transformer(nn.Module):
         streams = h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
         layers = zip(self.layers, self.args.layer_types, caches, strict=True)
         for layer, kind, layer_cache in layers:
-            streams = layer(streams, *rotary[kind], docs.doc_ids, windows[kind], layer_cache)
+            streams = layer(streams, *rotary[kind], doc_ids, windows[kind], layer_cache)
         return self.norm(self.hc_head(streams))
 
     def forward(

@@ -49,7 +49,9 @@ class Windows:
     """The complete windows of ``ratio`` tokens of a forward's rows [b, s]: a window starts
     where a token's position in its document is a multiple of ``ratio`` and the document
     holds the next ``ratio - 1`` tokens too, so packed documents compress on their own, as
-    each would alone. Rows hold ``n`` windows at most; the others' slots are not ``valid``."""
+    each would alone. A row of s tokens holds at most ``n = s // ratio`` windows (they are
+    disjoint), the slots it does not fill are not ``valid``: no data-dependent size, so no
+    sync with the device (and the dry run's meta forward works)."""
 
     ratio: int
     starts: torch.Tensor
@@ -66,7 +68,7 @@ class Windows:
     @classmethod
     def of(cls, positions: torch.Tensor, doc_ids: torch.Tensor, ratio: int) -> Windows:
         """The windows of rows whose tokens sit at ``positions`` in documents ``doc_ids``
-        (both [b, s]); syncs once with the device (for ``n``)."""
+        (both [b, s])."""
         b, s = positions.shape
         ends_in_doc = torch.zeros_like(doc_ids, dtype=torch.bool)
         if s >= ratio:
@@ -74,7 +76,7 @@ class Windows:
             ends_in_doc[:, :fits] = doc_ids[:, ratio - 1 :] == doc_ids[:, :fits]
         starts_here = (positions % ratio == 0) & ends_in_doc
         counts = starts_here.sum(dim=1)
-        n = int(counts.max()) if b else 0
+        n = s // ratio
         # Stable: the start tokens first, in row order.
         starts = (~starts_here).to(torch.uint8).sort(dim=1, stable=True).indices[:, :n]
         valid = torch.arange(n, device=positions.device) < counts[:, None]
