@@ -11,6 +11,9 @@ that cannot run on the device falls back to the reference with a one-line notice
 
 Until ``configure_kernels`` is called, every op runs its reference and the loss uses full
 logits: a library user or a test gets the plain math; a training run configures ``Kernels``.
+The loss does not depend on that process-wide choice when given its own: an objective built
+from a run's config carries that run's ``Kernels`` (``implementation(op, device, kernels)``),
+so two runs in one process may differ there.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ REFERENCE = Kernels(fused_cross_entropy=False, **dict.fromkeys(OPS, "reference")
 """Every op's plain-PyTorch reference and full logits: the state before configure_kernels."""
 
 _settings = REFERENCE
-_resolved: dict[tuple[Op, str], Impl] = {}
+_resolved: dict[tuple[Op, Impl, str], Impl] = {}
+"""(op, choice, device type) -> what runs, so a fallback notice prints once per
+configuration."""
 
 
 def configure_kernels(kernels: Kernels, device: torch.device) -> None:
@@ -54,17 +59,19 @@ def kernel_settings() -> Kernels:
     return _settings
 
 
-def implementation(op: Op, device: torch.device) -> Impl:
-    """The concrete implementation of ``op`` for tensors on ``device``.
+def implementation(op: Op, device: torch.device, kernels: Kernels | None = None) -> Impl:
+    """The concrete implementation of ``op`` for tensors on ``device`` under ``kernels``
+    (None: the process-wide choices).
 
     Inside a compiled region the reference runs: the surrounding compile fuses it anyway, and
     a nested compiled or Triton call would only break its graph.
     """
     if torch.compiler.is_compiling():
         return "reference"
-    key = (op, device.type)
+    choice: Impl = getattr(kernels or _settings, op)
+    key = (op, choice, device.type)
     if key not in _resolved:
-        _resolved[key] = _resolve(op, getattr(_settings, op), device)
+        _resolved[key] = _resolve(op, choice, device)
     return _resolved[key]
 
 

@@ -40,10 +40,11 @@ class PostStepHook(Protocol):
 @runtime_checkable
 class MultiTokenPredictor(Protocol):
     """A model with multi-token-prediction depths (DeepSeek V3): after a training forward,
-    ``mtp_loss`` gives their weighted draft loss and metrics (None without depths)."""
+    ``mtp_loss`` gives their weighted draft loss and metrics (None without depths), through
+    the head in chunks of ``chunk_tokens``."""
 
     def mtp_loss(
-        self, labels: torch.Tensor, position_ids: torch.Tensor | None
+        self, labels: torch.Tensor, position_ids: torch.Tensor | None, chunk_tokens: int
     ) -> MTPLoss | None: ...
 
 

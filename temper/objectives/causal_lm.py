@@ -3,6 +3,8 @@
 With ``kernels.fused_cross_entropy`` (``temper.kernels.dispatch``) the LM head and the loss run
 in chunks of tokens from the model's ``hidden_states`` and ``output.weight``, so the full
 [tokens, vocab] logits never exist; otherwise from full logits. Both give the same numbers.
+An objective built from a run's config takes that run's ``Kernels`` (and passes the chunk to
+the model's multi-token prediction); one built without them reads the process-wide choices.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from temper.config import Config, ConfigError, ObjectiveConfig
+from temper.config import Config, ConfigError, Kernels, ObjectiveConfig
 from temper.data.batch import (
     DOCUMENT_POSITIONS,
     IGNORE_INDEX,
@@ -30,8 +32,9 @@ from temper.kernels.cross_entropy import (
     log_probs_from_logits,
     logits_entropy,
 )
-from temper.kernels.dispatch import kernel_settings
-from temper.models.protocols import IndexerTrainer, MultiTokenPredictor, RoutedModel
+from temper.kernels.dispatch import implementation, kernel_settings
+from temper.models.protocols import MultiTokenPredictor, RoutedModel
+from temper.objectives.model_terms import indexer_term
 from temper.objectives.registry import Metrics, Objective, register_objective
 
 
@@ -54,7 +57,7 @@ class CausalLMConfig(ObjectiveConfig):
             raise ConfigError(f"objective.z_loss_weight must be >= 0, got {self.z_loss_weight}")
 
     def build(self, config: Config, build_reference: Callable[[], nn.Module]) -> Objective:
-        return CausalLM(self)
+        return CausalLM(self, config.kernels)
 
 
 class CausalLM:
@@ -71,9 +74,13 @@ class CausalLM:
     kl`` per valid token and logs ``indexer_kl``.
     """
 
-    def __init__(self, settings: CausalLMConfig | None = None) -> None:
-        """``settings`` None: the defaults (no z-loss)."""
+    def __init__(
+        self, settings: CausalLMConfig | None = None, kernels: Kernels | None = None
+    ) -> None:
+        """``settings`` None: the defaults (no z-loss); ``kernels`` None: the process-wide
+        choices (``temper.kernels.dispatch``)."""
         self.settings = settings or CausalLMConfig()
+        self.kernels = kernels
 
     def count(self, batch: Batch) -> torch.Tensor:
         return count_tokens(batch)
@@ -83,7 +90,7 @@ class CausalLM:
         args = (batch["input_ids"], batch.get("position_ids"), documents(batch))
         shard = batch.get(SEQUENCE_SHARD)
         media = model_inputs(batch)  # a vision-language batch's images and positions
-        kernels = kernel_settings()
+        kernels = self.kernels or kernel_settings()
         if kernels.fused_cross_entropy and _weight_only_head(model):
             hidden = model.hidden_states(*args, shard=shard, **media)
             loss_sum, z_sum = linear_cross_entropy(
@@ -92,6 +99,7 @@ class CausalLM:
                 labels,
                 z_weight,
                 kernels.chunk_tokens(hidden.device),
+                implementation("cross_entropy", hidden.device, kernels),
             )
         else:
             log_probs, lse = log_probs_from_logits(model(*args, shard=shard, **media), labels)
@@ -107,14 +115,11 @@ class CausalLM:
             metrics["aux_loss"] = aux.detach()
             metrics["moe_load_imbalance"] = model.load_imbalance().detach()
         # DeepSeek sparse attention: the indexers' KL term, when they train.
-        if isinstance(model, IndexerTrainer):
-            kl = model.indexer_loss()
-            if kl is not None:
-                loss_sum = loss_sum + model.args.indexer_loss_weight * kl * n_tokens
-                metrics["indexer_kl"] = kl.detach()
+        loss_sum = loss_sum + indexer_term(model, n_tokens, metrics)
         # Multi-token prediction (DeepSeek V3): its weighted draft losses join the sum.
         if isinstance(model, MultiTokenPredictor):
-            mtp = model.mtp_loss(labels, batch.get("position_ids"))
+            chunk = kernels.chunk_tokens(labels.device)
+            mtp = model.mtp_loss(labels, batch.get("position_ids"), chunk)
             if mtp is not None:
                 loss_sum = loss_sum + mtp.weighted_sum
                 metrics["mtp_loss"] = torch.as_tensor(mtp.mean)
@@ -131,19 +136,23 @@ def label_log_probs(
     temperature: float = 1.0,
     shard: SequenceShard | None = None,
     entropy: torch.Tensor | None = None,
+    kernels: Kernels | None = None,
 ) -> torch.Tensor:
     """Per-token log p(label) [b, s] in fp32, 0 where the label is ignored: the quantity DPO
     and GRPO build on, with the logits divided by ``temperature`` (GRPO's sampling one).
     Chunked through the head (no full logits) when the fused cross-entropy is on, as in
     `CausalLM`; from full logits otherwise. ``shard``: the rows are a sequence-parallel
     slice. ``entropy``: an fp32 tensor shaped like ``labels`` filled with each position's
-    entropy at ``temperature`` from the same logits (no gradient): no forward of its own."""
-    kernels = kernel_settings()
+    entropy at ``temperature`` from the same logits (no gradient): no forward of its own.
+    ``kernels``: the run's choices (None: the process-wide ones)."""
+    kernels = kernels or kernel_settings()
     if kernels.fused_cross_entropy and _weight_only_head(model):
         hidden = model.hidden_states(input_ids, position_ids, document_mask, shard=shard)
         hidden = hidden / temperature
         chunk = kernels.chunk_tokens(hidden.device)
-        return linear_log_probs(hidden, model.output.weight, labels, chunk, entropy=entropy)[0]
+        impl = implementation("cross_entropy", hidden.device, kernels)
+        weight = model.output.weight
+        return linear_log_probs(hidden, weight, labels, chunk, impl, entropy=entropy)[0]
     logits = model(input_ids, position_ids, document_mask, shard=shard) / temperature
     if entropy is not None:
         entropy.copy_(logits_entropy(logits.detach()))

@@ -19,7 +19,9 @@ reference (``ref``), their token counts ``n``, the log-ratios ``r = pi - ref`` a
   lambda).
 
 The loss is per pair, so ``count`` is the number of pairs and the trainer's division makes
-it the mean over the step's pairs. The implicit rewards, ``beta r`` (``beta a`` without a
+it the mean over the step's pairs. A model whose sparse-attention indexers train (DeepSeek
+V3.2, GLM-5) adds ``indexer_loss_weight * kl`` per pair (``indexer_term``), the KL of the
+policy forward on both answers. The implicit rewards, ``beta r`` (``beta a`` without a
 reference), give the metrics: chosen and rejected rewards, their margin, and how often
 chosen wins.
 """
@@ -37,9 +39,17 @@ import torch.distributed.nn as dist_nn
 import torch.nn.functional as F
 from torch import nn
 
-from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, check_range
+from temper.config import (
+    Config,
+    ConfigError,
+    Kernels,
+    ObjectiveConfig,
+    check_positive,
+    check_range,
+)
 from temper.data.batch import IGNORE_INDEX, SEQUENCE_SHARD, Batch, SequenceShard
 from temper.objectives.causal_lm import label_log_probs
+from temper.objectives.model_terms import indexer_term
 from temper.objectives.registry import (
     Metrics,
     Objective,
@@ -93,7 +103,7 @@ class DPOConfig(ObjectiveConfig):
         references = {}
         if self.loss_type not in REFERENCE_FREE:
             references = reference_policy(config, build_reference)
-        return DPO(self, **references)
+        return DPO(self, kernels=config.kernels, **references)
 
 
 def sequence_log_probs(
@@ -102,11 +112,16 @@ def sequence_log_probs(
     labels: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     shard: SequenceShard | None = None,
+    kernels: Kernels | None = None,
 ) -> torch.Tensor:
     """Sum over each row of the log-probabilities of its labels (ignored ones count 0). With
     a sequence-parallel ``shard`` the slices' sums are added over the SP group (its backward
-    sums each rank's gradient), so every SP rank holds the whole rows' sums."""
-    sums = label_log_probs(model, input_ids, labels, position_ids, shard=shard).sum(dim=-1)
+    sums each rank's gradient), so every SP rank holds the whole rows' sums. ``kernels``: as
+    ``label_log_probs`` takes them."""
+    log_probs = label_log_probs(
+        model, input_ids, labels, position_ids, shard=shard, kernels=kernels
+    )
+    sums = log_probs.sum(dim=-1)
     if shard is not None and shard.group is not None:
         sums = dist_nn.all_reduce(sums, group=shard.group)
     return sums
@@ -178,7 +193,9 @@ class DPO:
         *,
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
+        kernels: Kernels | None = None,
     ) -> None:
+        """``kernels``: the run's choices for the head (None: the process-wide ones)."""
         needed = 0 if settings.loss_type in REFERENCE_FREE else 1
         if (reference is not None) + (reference_mode is not None) != needed:
             wanted = "exactly one of a reference model or a reference mode" if needed else "none"
@@ -186,6 +203,7 @@ class DPO:
         self.settings = settings
         self.reference = reference
         self.reference_mode = reference_mode
+        self.kernels = kernels
 
     def count(self, batch: Batch) -> torch.Tensor:
         """Pairs: the unit the loss is averaged over."""
@@ -196,9 +214,9 @@ class DPO:
             return None
         with torch.no_grad():
             if self.reference is not None:
-                return sequence_log_probs(self.reference, *rows)
+                return sequence_log_probs(self.reference, *rows, self.kernels)
             with self.reference_mode(model):
-                return sequence_log_probs(model, *rows)
+                return sequence_log_probs(model, *rows, self.kernels)
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         input_ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
@@ -210,7 +228,10 @@ class DPO:
         if "chosen_position_ids" in batch:
             positions = torch.cat([batch["chosen_position_ids"], batch["rejected_position_ids"]])
         rows = (input_ids, labels, positions, shard)
-        policy = sequence_log_probs(model, *rows)
+        policy = sequence_log_probs(model, *rows, self.kernels)
+        metrics: Metrics = {}
+        # Read before the reference forward, which clears it when it is the policy's own.
+        indexer = indexer_term(model, self.count(batch), metrics)
         ref = self._reference_log_probs(model, rows)
         tokens = answer_tokens(labels, shard)
         settings = self.settings
@@ -227,10 +248,10 @@ class DPO:
         implicit = policy / tokens.clamp(min=1) if ref is None else policy - ref
         rewards = settings.beta * implicit.detach()
         chosen, rejected = rewards[:n], rewards[n:]
-        metrics = {
+        metrics |= {
             "rewards_chosen": chosen.mean(),
             "rewards_rejected": rejected.mean(),
             "reward_margin": (chosen - rejected).mean(),
             "reward_accuracy": (chosen > rejected).float().mean(),
         }
-        return losses.sum(), self.count(batch), metrics
+        return losses.sum() + indexer, self.count(batch), metrics

@@ -38,7 +38,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from temper.config import Config, ConfigError, ObjectiveConfig, check_positive, check_range
+from temper.config import (
+    Config,
+    ConfigError,
+    Kernels,
+    ObjectiveConfig,
+    check_positive,
+    check_range,
+)
 from temper.data.batch import IGNORE_INDEX, SEQUENCE_SHARD, Batch
 from temper.data.chat import load_chat_template, stop_token_ids
 from temper.data.tokenizer import Tokenizer, load_tokenizer
@@ -46,6 +53,7 @@ from temper.generation import gathered_weights
 from temper.generation.engines import RolloutEngine
 from temper.models.layers.route_replay import ROUTES, replaying_routes
 from temper.objectives.causal_lm import documents, label_log_probs
+from temper.objectives.model_terms import indexer_term
 from temper.objectives.policy_loss import (
     ADVANTAGE_EPS,
     AdvantageScale,
@@ -165,6 +173,7 @@ class GRPOConfig(RolloutSettings, ObjectiveConfig):
             tokenizer=tokenizer,
             stop_tokens=stop_token_ids(tokenizer, template),
             lockstep_group=dist.group.WORLD if config.parallelism.ep > 1 else None,
+            kernels=config.kernels,
             **(reference_policy(config, build_reference) if self.kl_coef else {}),
         )
 
@@ -210,10 +219,11 @@ class GRPO:
         reference: nn.Module | None = None,
         reference_mode: ReferenceMode | None = None,
         lockstep_group: ProcessGroup | None = None,
+        kernels: Kernels | None = None,
     ) -> None:
         """``settings`` whole (its rollout fields go to the sampler as they are); the KL term
         needs the frozen ``reference`` or the policy's ``reference_mode`` (LoRA: adapters
-        off)."""
+        off); ``kernels``: the run's choices for the head (None: the process-wide ones)."""
         if settings.kl_coef and (reference is None) == (reference_mode is None):
             raise ValueError(
                 "objective.kl_coef > 0 takes exactly one of a reference model or a reference mode"
@@ -229,7 +239,9 @@ class GRPO:
             reference_mode=reference_mode,
             lockstep_group=lockstep_group,
             recompute_old=settings.updates_per_rollout > 1,
+            kernels=kernels,
         )
+        self.kernels = kernels
         self.loss_temperature = self.sampler.loss_temperature
         self.updates_per_rollout = settings.updates_per_rollout
 
@@ -316,6 +328,7 @@ class GRPO:
                 temperature=self.loss_temperature,
                 shard=batch.get(SEQUENCE_SHARD),
                 entropy=entropy,
+                kernels=self.kernels,
             )
         old = batch.get("old_log_probs", log_probs.detach())
         sampler = batch["sampler_log_probs"]
@@ -333,7 +346,9 @@ class GRPO:
             per_token = per_token + self.settings.kl_coef * kl
             metrics["kl"] = self._token_mean(kl, completion, batch)
         loss = self.policy_loss.reduce(per_token, completion, batch[COMPLETION_LENGTHS])
-        return loss, self.count(batch), metrics
+        count = self.count(batch)
+        # DeepSeek sparse attention: the indexers' KL term of this forward, per unit.
+        return loss + indexer_term(model, count, metrics), count, metrics
 
     @staticmethod
     def _token_mean(values: torch.Tensor, completion: torch.Tensor, batch: Batch) -> torch.Tensor:

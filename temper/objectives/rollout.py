@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from temper.config import Config, ConfigError, check_positive
+from temper.config import Config, ConfigError, Kernels, check_positive
 from temper.data.batch import IGNORE_INDEX, Batch
 from temper.data.prompts import decode_record
 from temper.data.tokenizer import Tokenizer
@@ -217,8 +217,12 @@ class RolloutSampler:
         reference_mode: ReferenceMode | None = None,
         lockstep_group: ProcessGroup | None = None,
         recompute_old: bool = False,
+        kernels: Kernels | None = None,
     ) -> None:
+        """``kernels``: the run's choices for the head's log-probs (None: the process-wide
+        ones)."""
         self.settings = settings
+        self.kernels = kernels
         self.tokenizer = tokenizer
         self.stop_tokens = set() if settings.ignore_eos else stop_tokens
         self.rewards: dict[str, Reward] = {name: get_reward(name) for name in settings.rewards}
@@ -303,9 +307,7 @@ class RolloutSampler:
         }
         if self.recompute_old or not sampled.by_policy:
             with replaying_routes(model, routes):
-                batch["old_log_probs"] = label_log_probs(
-                    model, input_ids, labels, temperature=self.loss_temperature
-                )
+                batch["old_log_probs"] = self._log_probs(model, input_ids, labels)
         if routes is not None:
             batch[ROUTES] = routes
         if self.with_reference:
@@ -379,11 +381,17 @@ class RolloutSampler:
         adapters off."""
         if self.reference is not None:
             with whole_sequences(self.reference):
-                return label_log_probs(
-                    self.reference, input_ids, labels, temperature=self.loss_temperature
-                )
+                return self._log_probs(self.reference, input_ids, labels)
         with self.reference_mode(model):
-            return label_log_probs(model, input_ids, labels, temperature=self.loss_temperature)
+            return self._log_probs(model, input_ids, labels)
+
+    def _log_probs(
+        self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-token log-probs of whole rows at the loss's temperature."""
+        return label_log_probs(
+            model, input_ids, labels, temperature=self.loss_temperature, kernels=self.kernels
+        )
 
 
 def _completion_mask(lengths: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

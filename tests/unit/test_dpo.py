@@ -146,6 +146,7 @@ def test_reference_free_losses_build_and_run_no_reference(loss_type: str) -> Non
     config = load_config(
         "temper.recipes.posttrain", "dpo_debug", ["--objective.loss_type", loss_type]
     )
+    config.kernels.fused_cross_entropy = False  # the stub policy gives logits, it has no head
     objective = config.objective.build(config, no_reference)
     assert objective.reference is None and objective.reference_mode is None
     policy = _Counted(7)

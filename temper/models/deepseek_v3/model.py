@@ -7,7 +7,6 @@ from torch import nn
 
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import DocumentMask, prepare_documents
-from temper.kernels.dispatch import kernel_settings
 from temper.models.deepseek_v3.args import DeepseekV3Args
 from temper.models.layers.context import ForwardContext
 from temper.models.layers.decoder import INIT_STD, Block
@@ -98,23 +97,25 @@ class DeepseekV3Transformer(MoEDecoder):
             normed.append(depth.norm(h))
         return normed
 
-    def mtp_loss(self, labels: torch.Tensor, position_ids: torch.Tensor | None) -> MTPLoss | None:
+    def mtp_loss(
+        self, labels: torch.Tensor, position_ids: torch.Tensor | None, chunk_tokens: int
+    ) -> MTPLoss | None:
         """The MTP loss of the latest training forward for its ``labels`` [b, s] (the main
-        targets) and packed ``position_ids``; None without MTP depths."""
+        targets) and packed ``position_ids``, through the head in chunks of ``chunk_tokens``
+        (the objective's kernel choice); None without MTP depths."""
         if not len(self.mtp):
             return None
         if not self.mtp_hidden:
             raise RuntimeError("no MTP hidden states: run a training-mode forward first")
         # Released here: the graph keeps what backward needs, nothing keeps them past it.
         hidden, self.mtp_hidden = self.mtp_hidden, []
-        chunk = kernel_settings().chunk_tokens(labels.device)
         return mtp_loss(
             hidden,
             self.output.weight,
             labels,
             position_ids,
             self.args.mtp_loss_weight,
-            chunk,
+            chunk_tokens,
         )
 
     def attention(self, layer_id: int) -> nn.Module:
