@@ -229,6 +229,12 @@ def test_packed_documents_compress_apart() -> None:
     # The query at token 14 (position 3 of document 1) sees its first window only.
     assert windows.visible()[0, 14].tolist() == [False, False, True, False, False, False]
     assert windows.visible()[0, 10].tolist() == [True, True, False, False, False, False]
+    # Rows shorter than a window: no entries, none seen.
+    short = Windows.of(positions[:, :3], doc_ids[:, :3], 4)
+    compressor = Compressor(8, 4, 4, overlap=True, norm_eps=1e-5)
+    cos, sin = rope_cos_sin(rope_inv_freq(2, 10000.0), positions[:, :3])
+    entries = compressor(torch.randn(1, 3, 8), cos, sin, short)
+    assert entries.shape == (1, 0, 4) and short.visible().shape == (1, 3, 0)
 
 
 def test_csa_compressor_and_indexer_match_transformers() -> None:

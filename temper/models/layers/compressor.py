@@ -97,7 +97,8 @@ class Windows:
         b, n = self.starts.shape
         tokens = self.starts.unsqueeze(-1) + torch.arange(self.ratio, device=x.device)
         tokens = (tokens - back * self.ratio).clamp(0, x.shape[1] - 1).view(b, -1, 1)
-        return x.gather(1, tokens.expand(-1, -1, x.shape[-1])).view(b, n, self.ratio, -1)
+        width = x.shape[-1]
+        return x.gather(1, tokens.expand(-1, -1, width)).view(b, n, self.ratio, width)
 
 
 class Compressor(nn.Module):
