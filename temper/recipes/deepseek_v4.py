@@ -7,7 +7,17 @@ with the growing KV cache; sequence and context parallelism are not built yet
 
 from __future__ import annotations
 
-from temper.config import Config, Job, LRScheduler, Model, Optimizer, Training
+from temper.config import (
+    ActivationCheckpoint,
+    Config,
+    Data,
+    Job,
+    LRScheduler,
+    Model,
+    Optimizer,
+    Parallelism,
+    Training,
+)
 
 
 def deepseek_v4_debug() -> Config:
@@ -20,4 +30,31 @@ def deepseek_v4_debug() -> Config:
         training=Training(steps=60, seq_len=256, local_batch_size=8, max_norm=1.0),
         optimizer=Optimizer(lr=2e-3, weight_decay=0.1),
         lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
+    )
+
+
+def deepseek_v4_flash_sft() -> Config:
+    """SFT of DeepSeek-V4-Flash in bf16 on 128 GPUs (`NNODES=16 NGPU=8`): experts over 64 EP
+    ranks (4 each), FSDP over all, full activation checkpointing, 4096-token packed chat rows,
+    the indexer as released. Point `--model.hf_path` at the HF folder and `--data.path` at a
+    chat JSONL file.
+
+    The dry run (this layout) puts each rank's peak at about 50 GiB (33 GiB of weights,
+    gradients and AdamW state, 14 GiB of activations); not run on GPUs yet."""
+    return Config(
+        job=Job(dump_folder="./outputs/deepseek_v4_flash_sft"),
+        model=Model(name="deepseek_v4", flavor="flash"),
+        parallelism=Parallelism(ep=64),
+        activation_checkpoint=ActivationCheckpoint(mode="full"),
+        training=Training(
+            steps=1000,
+            seq_len=4096,
+            local_batch_size=1,
+            global_batch_size=128,
+            dtype="bfloat16",
+            max_norm=1.0,
+        ),
+        optimizer=Optimizer(lr=1e-5, weight_decay=0.0),
+        lr_scheduler=LRScheduler(warmup_steps=30, decay="cosine", min_lr_ratio=0.1),
+        data=Data(format="sft"),
     )
