@@ -6,6 +6,7 @@ choice decides the outputs (``test_selection_decides_the_outputs`` shows that it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -23,9 +24,11 @@ from transformers import (
 )
 
 from temper.config import ConfigError, Parallelism
+from temper.data.batch import IGNORE_INDEX
+from temper.data.tokenizer import load_tokenizer
 from temper.generation import decoding, generate
 from temper.kernels.attention import DocumentMask, causal_band
-from temper.models import get_model_spec, load_hf
+from temper.models import build_model, get_model_spec, load_hf
 from temper.models.deepseek_v32 import DeepseekV32Transformer
 from temper.models.glm_moe_dsa import GlmMoeDsaArgs, GlmMoeDsaTransformer
 from temper.models.glm_moe_dsa.args import as_glm
@@ -34,7 +37,10 @@ from temper.models.layers.context import ForwardContext
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 from temper.models.layers.sparse_attention import SparseMLA, indexer_kl, select_top_k
-from temper.objectives.causal_lm import CausalLM
+from temper.objectives.causal_lm import CausalLM, label_log_probs
+from temper.objectives.dpo import DPO, DPOConfig
+from temper.objectives.grpo import GRPO, GRPOConfig
+from temper.objectives.rollout import COMPLETION_LENGTHS
 
 _BASE = {
     "vocab_size": 96,
@@ -394,3 +400,49 @@ def test_unsupported_settings_are_refused_by_name(tmp_path: Path) -> None:
         dataclasses.replace(args, indexer_training="dense")
     with pytest.raises(ValueError, match="indexer_types\\[0\\] must be 'full'"):
         GlmMoeDsaArgs(**{**vars(as_glm(args)), "indexer_types": ("shared",) * args.n_layers})
+
+
+def test_dpo_and_grpo_add_the_indexer_kl_term() -> None:
+    """DPO and GRPO on deepseek_v32 debug with training indexers (weight 0.5): each loss per
+    unit is the objective's own, by hand from its logged values, plus 0.5 x the logged
+    ``indexer_kl``, and the indexers get gradients (from that term only)."""
+    torch.manual_seed(0)
+    overrides = {"indexer_training": "sparse", "indexer_loss_weight": 0.5}
+    model = build_model("deepseek_v32", "debug", device="cpu", vocab_size=96, overrides=overrides)
+    model.train()
+    reference = copy.deepcopy(model).eval()
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(5))
+    labels = ids.masked_fill(torch.arange(16) < 6, IGNORE_INDEX)  # prompts of 6 tokens
+
+    # DPO (sigmoid), one pair: -log sigmoid of the logged reward margin, plus the KL term.
+    pair = {"chosen_input_ids": ids[:1], "chosen_labels": labels[:1]}
+    pair |= {"rejected_input_ids": ids[1:2], "rejected_labels": labels[1:2]}
+    loss, pairs, metrics = DPO(DPOConfig(), reference=reference).loss(model, pair)
+    dpo = -F.logsigmoid(metrics["rewards_chosen"] - metrics["rewards_rejected"])
+    assert metrics["indexer_kl"] > 0
+    torch.testing.assert_close(loss / pairs, dpo + 0.5 * metrics["indexer_kl"])
+    _assert_indexers_get_gradients(model, loss)
+
+    # GRPO on-policy, one update: the ratio is 1, so the loss per completion token is minus
+    # the token-weighted mean advantage, plus the KL term.
+    with torch.no_grad():
+        log_probs = label_log_probs(model, ids, labels)
+    completion = labels != IGNORE_INDEX
+    advantages = torch.tensor([1.0, -0.5, 0.25, 2.0])
+    rows = {"input_ids": ids, "labels": labels, "sampler_log_probs": log_probs}
+    rows |= {"advantages": advantages, COMPLETION_LENGTHS: completion.sum(dim=1)}
+    objective = GRPO(
+        GRPOConfig(max_new_tokens=10), tokenizer=load_tokenizer(None), stop_tokens=set()
+    )
+    loss, count, metrics = objective.loss(model, rows)
+    grpo = -(advantages[:, None] * completion).sum() / completion.sum()
+    assert count == completion.sum() and metrics["indexer_kl"] > 0
+    torch.testing.assert_close(loss / count, grpo + 0.5 * metrics["indexer_kl"])
+    _assert_indexers_get_gradients(model, loss)
+
+
+def _assert_indexers_get_gradients(model: torch.nn.Module, loss: torch.Tensor) -> None:
+    model.zero_grad()
+    loss.backward()
+    indexers = [p.grad for name, p in model.named_parameters() if ".indexer." in name]
+    assert indexers and all(g is not None and g.abs().sum() > 0 for g in indexers)
