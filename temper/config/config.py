@@ -192,10 +192,11 @@ class Data:
     """JSONL field holding a document's text."""
     tokenizer_path: str | None = None
     """tokenizer.json or a folder holding one; None = model.hf_path's, else the built-in."""
-    format: Literal["text", "sft", "preference", "prompt"] = "text"
-    """text: pretraining documents; sft: JSONL with "messages" (chat); preference: JSONL with
-    "prompt", "chosen", "rejected" (DPO); prompt: JSONL with "prompt" and "answer" (GRPO).
-    path None = the built-in tasks of that format."""
+    format: str = "text"
+    """text: pretraining documents; sft: JSONL with "messages" (chat, image parts included);
+    preference: JSONL with "prompt", "chosen", "rejected" (DPO); prompt: JSONL with "prompt"
+    and "answer" (GRPO); or a format a user module registers (temper.data.formats). path
+    None = the built-in tasks of that format."""
     chat_template: str | None = None
     """sft/preference: a Jinja chat template file; None = the tokenizer folder's, else the
     built-in template of the built-in tokenizer."""

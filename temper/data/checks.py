@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from temper.config import Config, ConfigError, check_positive, register_rule
-from temper.data.formats import build_format, format_spec, is_image_data
+from temper.data.formats import FORMATS, build_format, format_spec, is_image_data
 from temper.data.sources.base import RecordError
 from temper.data.sources.configured import configured_sources, open_split
 from temper.data.stream import check_fields
@@ -43,6 +43,11 @@ def nothing_to_train(count: int) -> str:
 def check_data_config(config: Config, world_size: int) -> None:
     """Data and validation fields that only make sense together."""
     data, validation = config.data, config.validation
+    if data.format not in FORMATS.names():
+        raise ConfigError(
+            f"data.format {data.format!r} is not a registered format; registered: "
+            f"{', '.join(FORMATS.names())}"
+        )
     if data.sources and data.path is not None:
         raise ConfigError("data.sources and data.path are both set: give one")
     for i, source in enumerate(data.sources):

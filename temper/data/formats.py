@@ -74,8 +74,10 @@ def register_format(name: str, spec: FormatSpec) -> FormatSpec:
 
 
 def is_image_data(data: Data) -> bool:
-    """SFT data with images: the built-in image task, or files whose first records hold
-    image parts (list contents)."""
+    """SFT data with images: ``image_sft`` by name, the built-in image task, or files whose
+    first records hold image parts (list contents)."""
+    if data.format == "image_sft":
+        return True
     if data.format != "sft":
         return False
     entries = configured_sources(data)

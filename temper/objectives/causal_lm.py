@@ -50,7 +50,7 @@ class CausalLMConfig(ObjectiveConfig):
     """Weight of PaLM's z-loss, logsumexp(logits)^2 per valid token: keeps the softmax
     normalizer near 1 (bf16 stability); 0 = off. Logged as z_loss."""
 
-    data_formats: ClassVar[tuple[str, ...]] = ("text", "sft")
+    data_formats: ClassVar[tuple[str, ...]] = ("text", "sft", "image_sft")
 
     def validate(self, config: Config) -> None:
         if self.z_loss_weight < 0:
