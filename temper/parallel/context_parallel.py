@@ -179,8 +179,8 @@ def check_context_parallel(config: Config, world_size: int) -> None:
     refusals = {
         "parallelism.sp": (p.sp > 1, "CP x Ulysses SP (2-D sequence parallelism) is not built"),
         "objective.name": (
-            config.objective.name != "causal_lm",
-            f"only causal_lm trains under CP so far, not {config.objective.name!r}",
+            config.objective.name not in ("causal_lm", "dpo"),
+            f"only causal_lm and dpo train under CP so far, not {config.objective.name!r}",
         ),
         "compile.enable": (config.compile.enable, "ring attention is not compiled yet"),
         "optimizer.muon_qk_clip": (
