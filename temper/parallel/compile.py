@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import moe_layers
 from temper.utils.compat import forward_side_effects_once
 from temper.utils.recompute import recomputed_whole
 
@@ -48,9 +48,10 @@ def apply_compile(
 
 
 def _parts_around_dispatch(block: nn.Module) -> Iterator[nn.Module]:
-    for child in block.children():
-        if isinstance(child, MoE):
-            yield from (part for name, part in child.named_children() if name != "experts")
+    moes = moe_layers(block)
+    for name, child in block.named_children():
+        if name in moes:
+            yield from (p for n, p in child.named_children() if n != "experts")
         else:
             yield child
 

@@ -65,7 +65,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         for name, param in list(moe.experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
             moe.experts.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
-        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.n_experts)
+        moe.use_dispatcher(AllToAllDispatcher(ep_mesh.get_group(), moe.n_experts))
 
 
 def apply_expert_fsdp(

@@ -25,7 +25,7 @@ from torch import nn
 
 from temper.config import Config
 from temper.kernels.dispatch import configure_kernels
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import moe_layers
 from temper.objectives import Objective
 from temper.parallel.activation_checkpoint import SAVED_OPS
 from temper.utils.compat import TorchDispatchMode
@@ -349,9 +349,8 @@ def measure_activations(
     batch = {"input_ids": ids, "labels": ids}
     measure = _Measure(model, device, ep_imbalance or 1.0, sp)
     if ep_imbalance is not None:
-        for moe in model.modules():
-            if isinstance(moe, MoE):
-                moe.dispatcher = measure.dispatch
+        for moe in moe_layers(model).values():
+            moe.use_dispatcher(measure.dispatch)
     hooks = torch.autograd.graph.saved_tensors_hooks(measure.pack, lambda t: t)
     attention = mock.patch.object(F, "scaled_dot_product_attention", measure.attention)
     model.train()

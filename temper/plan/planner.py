@@ -12,7 +12,7 @@ import torch.distributed as dist
 from temper.config import Config, ConfigError, registered_rules
 from temper.data.loader import check_data
 from temper.engine.engine import build_run_model, load_run_tokenizer
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import moe_layers
 from temper.objectives import CausalLM
 from temper.parallel.dims import ParallelDims
 from temper.parallel.parallelize import parallelize_decoder
@@ -139,10 +139,10 @@ def plan_run(
     for rank in range(world_size):
         state = state_bytes(shards, coords[rank])
         plan.ranks.append(_peak(config, state, plan.activations, gathered, device, block_grads))
-    moe_layers = sum(isinstance(m, MoE) for m in unsharded.modules())
-    top_k = unsharded.args.top_k if moe_layers else 0
+    n_moe = len(moe_layers(unsharded))
+    top_k = unsharded.args.top_k if n_moe else 0
     plan.communication = communication(
-        config, dims, units, plan, moe_layers * top_k * unsharded.args.dim
+        config, dims, units, plan, n_moe * top_k * unsharded.args.dim
     )
     return plan
 

@@ -39,7 +39,7 @@ def _eager_and_compiled(
         apply_activation_checkpointing(list(m.layers), mode)
     if around_dispatch:
         for moe in moe_layers(compiled).values():
-            moe.dispatcher = torch.compiler.disable(run_local)
+            moe.use_dispatcher(torch.compiler.disable(run_local))
     torch.compiler.reset()
     counters.clear()
     apply_compile(list(compiled.layers), backend=backend, around_dispatch=around_dispatch)

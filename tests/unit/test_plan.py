@@ -12,7 +12,7 @@ from torch import nn
 import temper.engine  # noqa: F401  (registers the built-in rules)
 from temper.config import load_config
 from temper.engine.engine import build_run_model, load_run_tokenizer
-from temper.models.layers.moe import MoE
+from temper.models.layers.moe import moe_layers
 from temper.objectives import CausalLM
 from temper.parallel.dims import ParallelDims
 from temper.parallel.parallelize import parallelize_decoder
@@ -111,7 +111,7 @@ def test_meta_activations_equal_what_a_real_forward_saves(recipe) -> None:
     ids = torch.randint(0, 600, (2, 32))
     inside, outside = saved_bytes_on_cpu(real, ids)
     # The one difference: the real grouped GEMM also saves its [n_experts] int32 offsets.
-    offsets = sum(4 * m.n_experts for m in real.modules() if isinstance(m, MoE))
+    offsets = sum(4 * m.n_experts for m in moe_layers(real).values())
     assert sum(b.saved for b in measured.blocks) == inside - offsets
     assert measured.outside == outside
     assert all(b.input == 2 * 32 * real.args.dim * 4 for b in measured.blocks)
@@ -140,14 +140,12 @@ def test_expert_all_to_all_by_hand() -> None:
     config = config_of("qwen3_moe_debug", "--parallelism.ep", "4")
     plan = plan_run(config, 4, "cpu")
     model = build_run_model(config, load_run_tokenizer(config))
-    moe_layers = sum(
-        1 for name, _ in model.named_modules() if name.endswith("feed_forward.experts")
-    )
+    n_moe = sum(1 for name, _ in model.named_modules() if name.endswith("feed_forward.experts"))
     top_k, dim = model.args.top_k, model.args.dim
     # Dispatch and combine, forward and backward: 4 exchanges of 2 x 32 tokens x top_k rows,
     # the busiest rank receiving its imbalance's share in two of them.
     imbalance = plan.ep_imbalance
-    expected = (2 * imbalance + 2) * moe_layers * 2 * 32 * top_k * dim * 4 * 3 / 4
+    expected = (2 * imbalance + 2) * n_moe * 2 * 32 * top_k * dim * 4 * 3 / 4
     assert plan.communication.all_to_all_ep == pytest.approx(expected)
 
 

@@ -89,7 +89,7 @@ class MoE(nn.Module):
         ``clear_routing``). A run that finds them written leaves them: an activation
         checkpoint's recomputation in backward runs the layer again on the same tokens, and
         its statistics, unused, would hold the block's recomputed graph alive."""
-        self.dispatcher: ExpertDispatcher = run_local
+        self._dispatcher: ExpertDispatcher = run_local
         self.record: list[torch.Tensor] | None = None
         """With a list, each forward appends the experts it routed to, [b, s, top_k]."""
         self.replay: torch.Tensor | None = None
@@ -104,6 +104,12 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             init_linear(self.shared_gate, std)
 
+    def use_dispatcher(self, dispatcher: ExpertDispatcher) -> None:
+        """Send the permuted rows to the experts through ``dispatcher`` from now on (the layout
+        chooses it: expert parallelism's all-to-all, the dry run's measuring stand-in);
+        ``run_local`` by default."""
+        self._dispatcher = dispatcher
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """x [b, s, dim]; the routing statistics and the balancing router's load leave out
         the right padding of a sequence-parallel slice (after ``ctx.valid_len`` tokens of
@@ -114,7 +120,7 @@ class MoE(nn.Module):
         if self.record is not None:
             self.record.append(experts.view(*x.shape[:2], -1))
         rows, order, counts = permute(tokens, experts, self.n_experts)
-        out = self.dispatcher(self.experts, rows, counts)
+        out = self._dispatcher(self.experts, rows, counts)
         real_experts = experts if valid_len is None else _real(x.shape[:2], valid_len, experts)
         if isinstance(self.router, GroupLimitedRouter):
             self.router.count(real_experts)
