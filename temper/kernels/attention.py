@@ -90,6 +90,12 @@ class DocumentMask:
             raise ValueError(f"position_ids must be [batch, seq], got {list(position_ids.shape)}")
         starts = torch.ones_like(position_ids, dtype=torch.bool)
         starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        return cls.from_starts(starts)
+
+    @classmethod
+    def from_starts(cls, starts: torch.Tensor) -> DocumentMask:
+        """The mask whose documents begin where ``starts`` [b, s] (bool; True at every row's
+        first column) is True."""
         doc_ids = starts.cumsum(dim=1, dtype=torch.int32) - 1
         first = starts.flatten().nonzero().flatten()
         total = first.new_tensor([starts.numel()])

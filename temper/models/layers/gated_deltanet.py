@@ -11,7 +11,9 @@ The convolution and the recurrence are the only steps that look across tokens, a
 in ``gated_delta_mix`` on whole sequences of some heads (``mix_heads``, called through the
 layer's ``sequence_core``, which sequence parallelism wraps as it wraps attention's). Packed
 documents are laid out one per row there (``DocumentRows``), so neither the convolution
-window nor the state crosses a document start.
+window nor the state crosses a document start. Under context parallelism each rank runs its
+two chunks of the sequence in turn, the state and the convolution window passing from the
+rank holding the previous chunk (``temper.kernels.state_chain``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -26,6 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from temper.kernels.attention import DocumentMask
 from temper.kernels.causal_conv import causal_conv
 from temper.kernels.gated_delta import gated_delta_rule, recurrent_gated_delta_rule
+from temper.kernels.ring_attention import load_balanced_indices
+from temper.kernels.state_chain import Carry, state_chain
 from temper.models.layers.context import ForwardContext, SequenceCore, local_core
 from temper.models.layers.fused_linear import fused_linears
 from temper.models.layers.init import init_linear
@@ -124,6 +129,8 @@ class GatedDeltaNet(nn.Module):
         a: torch.Tensor,
     ) -> torch.Tensor:
         """``gated_delta_mix`` on the heads' part ``ctx.head_part``; b, a [b, s, n_v']."""
+        if ctx.context_group is not None:
+            return context_parallel_mix(self, q, k, v, b, a, ctx.docs, ctx.context_group)
         return gated_delta_mix(
             self, q, k, v, b, a, ctx.docs, ctx.cache, part=ctx.head_part, parts=ctx.head_parts
         )
@@ -187,30 +194,135 @@ def _mix(
     parts: int,
 ) -> torch.Tensor:
     conv, A_log, dt_bias = layer.head_params(part, parts)
-    n_k, d_k = q.shape[2:]
-    n_v, d_v = v.shape[2:]
-    x = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-    beta = b.sigmoid()
+    shapes = q.shape[2:] + v.shape[2:]
+    x, g, beta = _token_inputs(A_log, dt_bias, q, k, v, b, a)
     rows = None if docs is None else DocumentRows(docs)
     if rows is not None:
         x, g, beta = rows.gather(x), rows.gather(g), rows.gather(beta)
     window = None if cache is None else cache.conv_window
     if cache is not None:
         cache.conv_window = next_window(x, window, conv.shape[1])
-    x = causal_conv(x, conv, window)
-    q, k, v = x.split([n_k * d_k, n_k * d_k, n_v * d_v], dim=-1)
-    q, k = (t.unflatten(-1, (n_k, d_k)).float() for t in (q, k))
-    q = l2_normalize(q) * d_k**-0.5
-    k = l2_normalize(k)
-    q, k = (t.repeat_interleave(n_v // n_k, dim=2) for t in (q, k))
-    v = v.unflatten(-1, (n_v, d_v))
+    q, k, v = _convolve(x, conv, window, shapes)
     if cache is None:
         out, _ = gated_delta_rule(q, k, v, g, beta)
         return out if rows is None else rows.scatter(out)
     rule = recurrent_gated_delta_rule if q.shape[1] == 1 else gated_delta_rule
     out, cache.state = rule(q, k, v, g, beta, cache.state)
     return out
+
+
+def _token_inputs(
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolution's input [b, s, channels] (q, k, v in its channel order), the log decay
+    g and beta [b, s, n_v]."""
+    x = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return x, g, b.sigmoid()
+
+
+def _convolve(
+    x: torch.Tensor, conv: torch.Tensor, window: torch.Tensor | None, shapes: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolution, then q, k normalized (q scaled) and repeated to the value heads, and v:
+    the gated delta rule's inputs. ``shapes``: n_k, d_k, n_v, d_v."""
+    n_k, d_k, n_v, d_v = shapes
+    x = causal_conv(x, conv, window)
+    q, k, v = x.split([n_k * d_k, n_k * d_k, n_v * d_v], dim=-1)
+    q, k = (t.unflatten(-1, (n_k, d_k)).float() for t in (q, k))
+    q = l2_normalize(q) * d_k**-0.5
+    k = l2_normalize(k)
+    q, k = (t.repeat_interleave(n_v // n_k, dim=2) for t in (q, k))
+    return q, k, v.unflatten(-1, (n_v, d_v))
+
+
+def context_parallel_mix(
+    layer: GatedDeltaNet,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    docs: DocumentMask | None,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """``gated_delta_mix`` of this rank's tokens of sequences held by the CP ``group`` in the
+    load-balanced layout (``docs``: the whole sequence's documents, or None). Each of the
+    rank's two chunks runs as a one-process call would on its own documents, except that the
+    document it continues starts from the state and the last ``kernel - 1`` convolution inputs
+    that the previous chunk passed on (``state_chain``); at a document start both are zeros."""
+    conv, A_log, dt_bias = layer.head_params(0, 1)
+    shapes = q.shape[2:] + v.shape[2:]
+    batch, s, n_v, d_v = v.shape
+    kernel = conv.shape[1]
+    size = dist.get_world_size(group)
+    columns = load_balanced_indices(s * size, dist.get_rank(group), size, q.device)
+    chunks = [ChunkDocuments(half, docs, batch, kernel) for half in columns.chunk(2)]
+
+    def step(
+        half: int, shared: list[torch.Tensor], local: list[torch.Tensor], carry: Carry
+    ) -> tuple[torch.Tensor, Carry]:
+        conv, A_log, dt_bias = shared
+        x, g, beta = _token_inputs(A_log, dt_bias, *local)
+        state, window = carry
+        chunk = chunks[half]
+        rows = chunk.rows
+        windows = chunk.first_rows(window * chunk.window_kept[..., None].to(x.dtype))
+        states = chunk.first_rows(state * chunk.continues[:, None, None, None].to(state.dtype))
+        q, k, v = _convolve(rows.gather(x), conv, windows, shapes)
+        out, states = gated_delta_rule(q, k, v, rows.gather(g), rows.gather(beta), states)
+        return rows.scatter(out), (states[chunk.last], next_window(x, window, kernel))
+
+    zero = (
+        q.new_zeros(batch, n_v, shapes[1], d_v, dtype=torch.float32),
+        q.new_zeros(batch, kernel - 1, conv.shape[0]),
+    )
+    return state_chain(step, (conv, A_log, dt_bias), (q, k, v, b, a), zero, group)
+
+
+class ChunkDocuments:
+    """The documents of one CP chunk (global ``columns`` [n] of the whole sequence's ``docs``;
+    None: one document per row): laid out one per row (``rows``), which of those rows begin
+    each batch row (``first``) and end it (``last``), whether each batch row's first document
+    began in an earlier chunk (``continues`` [b]), and which of the ``kernel - 1`` columns
+    before the chunk belong to that document (``window_kept`` [b, kernel - 1])."""
+
+    def __init__(
+        self, columns: torch.Tensor, docs: DocumentMask | None, batch: int, kernel: int
+    ) -> None:
+        n, start = columns.numel(), int(columns[0])
+        ids = (
+            columns.new_zeros(batch, start + n)
+            if docs is None
+            else docs.doc_ids.to(columns.device, torch.long)
+        )
+        mine = ids[:, columns]
+        starts = torch.ones_like(mine, dtype=torch.bool)
+        starts[:, 1:] = mine[:, 1:] != mine[:, :-1]
+        local = DocumentMask.from_starts(starts)
+        self.rows = DocumentRows(local)
+        row_starts = torch.arange(batch, device=columns.device) * n
+        self.first = torch.searchsorted(local.cu_seqlens[:-1].long().contiguous(), row_starts)
+        self.last = (
+            torch.cat([self.first[1:], self.first.new_tensor([len(local.cu_seqlens) - 1])]) - 1
+        )
+        before = torch.arange(start - kernel + 1, start, device=columns.device)
+        same = ids[:, before.clamp(min=0)] == ids[:, start, None]
+        self.window_kept = same & (before >= 0)
+        self.continues = (ids[:, start] == ids[:, max(start - 1, 0)]) & (start > 0)
+        self.n_rows = len(local.cu_seqlens) - 1
+
+    def first_rows(self, per_batch_row: torch.Tensor) -> torch.Tensor:
+        """[b, ...] placed at each batch row's first document row of [n_rows, ...], zeros
+        elsewhere."""
+        whole = per_batch_row.new_zeros(self.n_rows, *per_batch_row.shape[1:])
+        return whole.index_copy(0, self.first, per_batch_row)
 
 
 def next_window(x: torch.Tensor, window: torch.Tensor | None, kernel: int) -> torch.Tensor:
