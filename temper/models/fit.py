@@ -70,15 +70,11 @@ def check_decoder_layout(args: DecoderArgs, parallelism: Parallelism) -> None:
 
 def check_hybrid_layout(args: Any, parallelism: Parallelism) -> None:
     """Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): the decoder rule, and whole linear-
-    attention key and value heads on each SP rank."""
+    attention key and value heads on each SP rank (CP splits no heads: the recurrent state
+    passes from rank to rank)."""
     check_decoder_layout(args, parallelism)
     if parallelism.sp > 1:
         check_linear_attention_heads(args.linear_n_k_heads, args.linear_n_v_heads, parallelism.sp)
-    if parallelism.cp > 1:
-        raise ConfigError(
-            f"parallelism.cp = {parallelism.cp}: Gated DeltaNet layers have no context-parallel "
-            "form yet (their recurrent state would pass from rank to rank); use parallelism.sp"
-        )
 
 
 @register_rule

@@ -31,13 +31,15 @@ from temper.data.batch import (
 from temper.kernels.ring_attention import load_balanced_indices
 from temper.models.layers.attention import Attention, GatedAttention
 from temper.models.layers.context import ForwardContext, SequenceMixer
+from temper.models.layers.gated_deltanet import GatedDeltaNet, GroupedGatedDeltaNet
 from temper.models.layers.mla import MLA
 from temper.models.layers.sink_attention import SinkAttention
 from temper.parallel.ulysses import PAD_POSITION, PREFERENCE_SIDES, VISION_FIELDS, sequence_mixers
 
-RING_MIXERS = (Attention, GatedAttention, MLA, SinkAttention)
-"""The token mixers whose cross-token step is softmax attention through ``attend``, which runs
-as ring attention under CP; any other kind (Gated DeltaNet, sparse or compressed attention) is
+CP_MIXERS = (Attention, GatedAttention, MLA, SinkAttention, GatedDeltaNet, GroupedGatedDeltaNet)
+"""The token mixers with a CP form: softmax attention through ``attend``, which runs as ring
+attention, and Gated DeltaNet, whose state and convolution window pass from rank to rank
+(``gated_deltanet.context_parallel_mix``); any other kind (sparse or compressed attention) is
 refused, not run on part of each sequence."""
 
 
@@ -120,7 +122,8 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 class RingCore:
     """A ``SequenceCore`` for CP: the mixer's own ``mix_heads`` with ``ctx.context_group`` set,
     so its attention (``temper.models.layers.attention.attend``) runs as ring attention over
-    the group with the mixer's scale, window and sinks."""
+    the group with the mixer's scale, window and sinks, and Gated DeltaNet passes its state
+    along the chunks."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -156,14 +159,14 @@ class ContextParallel:
         return shard_batch(batch, self.rank, self.size, self.group)
 
     def apply(self, model: nn.Module) -> None:
-        """Route every token mixer's sequence core through ring attention. Runs on the meta
-        model, before any other wrapper; a mixer of another kind is refused."""
+        """Route every token mixer's sequence core through its CP form (``RingCore``). Runs on
+        the meta model, before any other wrapper; a mixer of another kind is refused."""
         core = RingCore(self.group)
         for mixer in sequence_mixers(model):
-            if type(mixer) not in RING_MIXERS:
+            if type(mixer) not in CP_MIXERS:
                 raise ConfigError(
                     f"parallelism.cp: {type(mixer).__name__} layers have no context-parallel "
-                    "form yet (ring attention covers softmax attention and MLA); use "
+                    "form yet (it covers softmax attention, MLA and Gated DeltaNet); use "
                     "parallelism.sp"
                 )
             mixer.sequence_core = core
