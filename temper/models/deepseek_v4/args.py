@@ -94,17 +94,15 @@ class DeepseekV4Args(MoEArgs, DecoderArgs):
 
 
 def check_v4_layout(args: DeepseekV4Args, parallelism: Parallelism) -> None:
-    """The decoder rule (experts over ``ep``, hash-routed ones dispatched like top-k ones),
-    and no sequence or context parallelism yet: the compressors and the indexer read whole
-    sequences (not built)."""
+    """The decoder rule (experts over ``ep``, hash-routed ones dispatched like top-k ones,
+    Ulysses ``sp``), and no context parallelism yet: the compressors and the indexer read
+    whole sequences, which CP's ring never holds (not built)."""
     check_decoder_layout(args, parallelism)
-    for name in ("sp", "cp"):
-        degree = getattr(parallelism, name)
-        if degree > 1:
-            raise ConfigError(
-                f"parallelism.{name} = {degree}: deepseek_v4 runs without sequence or context "
-                f"parallelism for now; use {name} = 1"
-            )
+    if parallelism.cp > 1:
+        raise ConfigError(
+            f"parallelism.cp = {parallelism.cp}: deepseek_v4 runs without context parallelism "
+            "for now; use parallelism.sp for long rows, or cp = 1"
+        )
 
 
 def default_layer_types(n_layers: int) -> tuple[str, ...]:

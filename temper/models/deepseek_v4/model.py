@@ -2,9 +2,11 @@
 compressed attention and mixture of experts (hash-routed or top-k, plus a shared expert), a
 hyper head collapsing the streams before the final norm.
 
-Whole rows, packed or not (documents attend and compress apart), and decoding with a KV cache
-(the reference's: each layer's inputs kept, keys and compressed entries recomputed);
-sequence-parallel slices are refused by name, and there are no multi-token-prediction depths.
+Whole rows, packed or not (documents attend and compress apart), Ulysses sequence-parallel
+slices (each layer's attention gathers the slices' inputs for its keys and compressed entries,
+``temper.models.layers.compressed_attention``; everything else works token by token), and
+decoding with a KV cache (the reference's: each layer's inputs kept, keys and compressed
+entries recomputed); there are no multi-token-prediction depths.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from temper.kernels.attention import DocumentMask
 from temper.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
 from temper.models.layers.compressed_attention import CompressedAttention
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.decoder import INIT_STD
 from temper.models.layers.experts import GroupedExperts, limited_swiglu
 from temper.models.layers.hyper_connections import HyperConnection, HyperHead, residual
@@ -38,6 +41,7 @@ from temper.models.layers.routers import (
     HashRouter,
     update_expert_bias,
 )
+from temper.models.layers.sparse_attention import gather_sequence
 
 
 class SharedExpert(nn.Module):
@@ -92,13 +96,17 @@ class DeepseekV4Block(nn.Module):
         doc_ids: torch.Tensor,
         windows: Windows | None,
         cache: LayerCache | None = None,
+        shard: SequenceShard | None = None,
     ) -> torch.Tensor:
+        """``shard``: the streams are this rank's slice (cos, sin, doc_ids and windows span
+        the whole sequence); the experts' routing statistics leave its padding out."""
         x, post, comb = self.attention_hc(streams)
-        out = self.attention(self.attention_norm(x), cos, sin, doc_ids, windows, cache)
+        out = self.attention(self.attention_norm(x), cos, sin, doc_ids, windows, cache, shard)
         streams = residual(streams, out, post, comb)
         x, post, comb = self.ffn_hc(streams)
         h = self.ffn_norm(x)
-        return residual(streams, self.feed_forward(h) + self.shared_experts(h), post, comb)
+        routed = self.feed_forward(h, ForwardContext(cos, sin, shard=shard))
+        return residual(streams, routed + self.shared_experts(h), post, comb)
 
 
 def _attention(args: DeepseekV4Args, kind: str) -> CompressedAttention:
@@ -212,8 +220,9 @@ class DeepseekV4Transformer(nn.Module):
         """Final-norm output [b, s, dim] of whole rows of token ids [b, s] at ``position_ids``
         (default 0..s-1); ``docs`` (from the full batch's ``position_ids``) keeps packed
         documents apart, without it each row is one causal sequence. With a KV ``cache``
-        (decoding) the tokens follow those of earlier calls. A sequence-parallel ``shard`` is
-        refused: not built for V4 yet."""
+        (decoding) the tokens follow those of earlier calls. With a sequence-parallel
+        ``shard`` the ids and positions are this rank's slice (``docs`` still the whole
+        sequence's) and so is the output."""
         return self._hidden_states(input_ids, position_ids, docs, cache, shard)
 
     def _hidden_states(
@@ -225,12 +234,12 @@ class DeepseekV4Transformer(nn.Module):
         shard: SequenceShard | None,
     ) -> torch.Tensor:
         """The body ``forward`` calls too (FSDP2 wraps the public method in its root hooks)."""
-        if shard is not None:
-            raise ValueError("deepseek_v4 runs whole rows: sequence-parallel slices are not built")
-        if isinstance(cache, StaticKVCache) or (cache is not None and docs is not None):
+        if isinstance(cache, StaticKVCache) or (
+            cache is not None and (docs is not None or shard is not None)
+        ):
             raise ValueError(
                 "deepseek_v4 decodes with a growing KVCache on whole rows (no static cache, "
-                "no packed documents)"
+                "no packed documents, no sequence-parallel slices)"
             )
         clear_routing(self)
         b, s = input_ids.shape
@@ -238,6 +247,9 @@ class DeepseekV4Transformer(nn.Module):
             start = 0 if cache is None else cache.length
             position_ids = torch.arange(start, start + s, device=input_ids.device)[None]
         positions = position_ids.expand(b, s)
+        if shard is not None:
+            # Keys, windows and rotary span the whole sequence: every slice's positions.
+            positions = gather_sequence(positions.contiguous(), shard.group)
         caches: list[LayerCache | None] = [None] * len(self.layers)
         if cache is not None:
             caches = list(cache.extend(s))
@@ -249,15 +261,16 @@ class DeepseekV4Transformer(nn.Module):
             # Left padding: each padding column its own document, away from the real tokens.
             doc_ids = DocumentMask.from_position_ids(positions).doc_ids
         else:
-            doc_ids = torch.zeros_like(positions)
+            doc_ids = torch.zeros_like(positions)  # (a slice's right padding comes last)
         rotary = {
             SLIDING: rope_cos_sin(self.inv_freq, positions),
             CSA: rope_cos_sin(self.compress_inv_freq, positions),
         }
         rotary[HCA] = rotary[CSA]
+        real_len = None if shard is None else shard.real_len
         ratios = {SLIDING: None, CSA: self.args.csa_ratio, HCA: self.args.hca_ratio}
         windows = {
-            kind: None if ratio is None else Windows.of(positions, doc_ids, ratio)
+            kind: None if ratio is None else Windows.of(positions, doc_ids, ratio, real_len)
             for kind, ratio in ratios.items()
             if kind in self.args.layer_types
         }
@@ -267,7 +280,7 @@ class DeepseekV4Transformer(nn.Module):
         streams = h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
         layers = zip(self.layers, self.args.layer_types, caches, strict=True)
         for layer, kind, layer_cache in layers:
-            streams = layer(streams, *rotary[kind], doc_ids, windows[kind], layer_cache)
+            streams = layer(streams, *rotary[kind], doc_ids, windows[kind], layer_cache, shard)
         return self.norm(self.hc_head(streams))
 
     def forward(

@@ -13,7 +13,11 @@ its ``window`` only; an HCA layer also to every completed compressed entry; a CS
 ``topk`` entries its indexer picks. Each head has a learned sink logit.
 
 The reference runs on sdpa with an explicit mask, on whole rows (packed documents attend and
-compress apart). Decoding, it keeps each layer's inputs in the KV cache and recomputes keys
+compress apart). Under sequence parallelism each rank gathers every slice's inputs (with
+autograd: each slice's gradient goes back to its rank), builds the keys and compressed entries
+of the whole sequence from them, and attends with its own slice's queries, all heads: the
+sliding window, the shared KV head and the compressors' windows then span slices as they do
+in one process. Decoding, it keeps each layer's inputs in the KV cache and recomputes keys
 and compressed entries from them for the new queries: exact, at the cost of a forward over
 the whole history per step.
 """
@@ -23,12 +27,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from temper.data.batch import SequenceShard
 from temper.kernels.attention import attention, causal_band
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows, rope_tail
 from temper.models.layers.grouped_linear import GroupedLinear
 from temper.models.layers.init import init_linear
 from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import RMSNorm
+from temper.models.layers.sparse_attention import gather_sequence
 
 
 class CompressedAttention(nn.Module):
@@ -90,31 +96,41 @@ class CompressedAttention(nn.Module):
         doc_ids: torch.Tensor,
         windows: Windows | None = None,
         cache: LayerCache | None = None,
+        shard: SequenceShard | None = None,
     ) -> torch.Tensor:
-        """x [b, n, dim] of whole rows, or of the next n tokens with a ``cache`` (decoding:
-        the cache keeps every earlier input, from which keys and entries are recomputed);
-        ``doc_ids`` [b, s] the documents of all s tokens so far (packed ones attend apart),
-        cos/sin [b, s, rope_dim] the layer's rotary at each one's position in its document,
-        ``windows`` of the compressor's ratio over them, in compressed layers."""
+        """x [b, n, dim] of whole rows, of the next n tokens with a ``cache`` (decoding:
+        the cache keeps every earlier input, from which keys and entries are recomputed), or
+        of this rank's slice of each row with a sequence-parallel ``shard`` (the slices are
+        gathered into the keys' side); ``doc_ids`` [b, s] the documents of all s tokens
+        (packed ones attend apart), cos/sin [b, s, rope_dim] the layer's rotary at each
+        one's position in its document, ``windows`` of the compressor's ratio over them, in
+        compressed layers."""
         b, n, _ = x.shape
+        q_x = x
         if cache is not None:
             x = cache.keep("inputs", x)
+        elif shard is not None:
+            x = gather_sequence(x, shard.group)
         s = x.shape[1]
-        q_cos, q_sin, q_docs = cos[:, s - n :], sin[:, s - n :], doc_ids[:, s - n :]
-        q_latent = self.q_norm(self.wq_a(x[:, s - n :]))
+        # The n queries are tokens first .. first + n - 1 of the s: a slice, or the newest.
+        first = shard.start if shard is not None else s - n
+        q_cos, q_sin = cos[:, first : first + n], sin[:, first : first + n]
+        q_docs = doc_ids[:, first : first + n]
+        q_latent = self.q_norm(self.wq_a(q_x))
         q = self.wq_b(q_latent).view(b, n, self.n_heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.norm_eps).to(q.dtype)
         q = rope_tail(q, q_cos, q_sin)
         kv = rope_tail(self.kv_norm(self.wkv(x)).unsqueeze(2), cos, sin)
-        sees = causal_band(n, s, self.window, x.device) & (q_docs[:, :, None] == doc_ids[:, None])
+        band = causal_band(s - first, s, self.window, x.device)[:n]
+        sees = band & (q_docs[:, :, None] == doc_ids[:, None])
         if self.compressor is not None:
             if windows is None or windows.ratio != self.compressor.ratio:
                 raise ValueError(f"a compressed layer needs its windows of {self.compressor.ratio}")
             entries = self.compressor(x, cos, sin, windows)
             if self.indexer is None:
-                seen = windows.visible()[:, s - n :]
+                seen = windows.visible()[:, first : first + n]
             else:
-                seen = self.indexer(x, q_latent, cos, sin, windows)
+                seen = self.indexer(x, q_latent, cos, sin, windows, first)
             kv = torch.cat((kv, entries.unsqueeze(2)), dim=1)
             sees = torch.cat((sees, seen), dim=-1)
         out = attention(q, kv, kv, mask=sees[:, None], scale=self.head_dim**-0.5, sinks=self.sinks)

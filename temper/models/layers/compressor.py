@@ -66,9 +66,14 @@ class Windows:
     """[b, s] each token's document."""
 
     @classmethod
-    def of(cls, positions: torch.Tensor, doc_ids: torch.Tensor, ratio: int) -> Windows:
+    def of(
+        cls, positions: torch.Tensor, doc_ids: torch.Tensor, ratio: int, real_len: int | None = None
+    ) -> Windows:
         """The windows of rows whose tokens sit at ``positions`` in documents ``doc_ids``
-        (both [b, s])."""
+        (both [b, s]). ``real_len``: the rows' first ``real_len`` tokens are real, the rest
+        right padding (a sequence-parallel batch's); the slots then number as for the real
+        tokens alone, so that CSA's top-k runs over as many entries as one process's (its
+        ties, exact zeros after the indexer's ReLU, fall by column)."""
         b, s = positions.shape
         ends_in_doc = torch.zeros_like(doc_ids, dtype=torch.bool)
         if s >= ratio:
@@ -76,7 +81,7 @@ class Windows:
             ends_in_doc[:, :fits] = doc_ids[:, ratio - 1 :] == doc_ids[:, :fits]
         starts_here = (positions % ratio == 0) & ends_in_doc
         counts = starts_here.sum(dim=1)
-        n = s // ratio
+        n = (s if real_len is None else real_len) // ratio
         # Stable: the start tokens first, in row order.
         starts = (~starts_here).to(torch.uint8).sort(dim=1, stable=True).indices[:, :n]
         valid = torch.arange(n, device=positions.device) < counts[:, None]
@@ -189,14 +194,16 @@ class CompressedIndexer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         windows: Windows,
+        first: int,
     ) -> torch.Tensor:
-        """[b, n, entries] True at the entries of ``windows`` each of the last n tokens of
-        x [b, s, dim] (their query latent [b, n, q_lora_rank]) reads: its ``topk`` best of
-        those it sees (all when fewer); cos/sin as for ``Compressor``."""
+        """[b, n, entries] True at the entries of ``windows`` each of the n tokens of
+        x [b, s, dim] from ``first`` on (their query latent [b, n, q_lora_rank]) reads: its
+        ``topk`` best of those it sees (all when fewer); cos/sin as for ``Compressor``."""
         b, s, _ = x.shape
         n = q_latent.shape[1]
+        queries = slice(first, first + n)
         keys = self.compressor(x, cos, sin, windows)
         q = self.q_proj(q_latent).view(b, n, self.n_heads, self.head_dim)
-        q = rope_tail(q, cos[:, s - n :], sin[:, s - n :])
-        scores = index_scores(q, keys, x[:, s - n :], self.weights_proj)
-        return select_top_k(scores, windows.visible()[:, s - n :], self.topk)
+        q = rope_tail(q, cos[:, queries], sin[:, queries])
+        scores = index_scores(q, keys, x[:, queries], self.weights_proj)
+        return select_top_k(scores, windows.visible()[:, queries], self.topk)

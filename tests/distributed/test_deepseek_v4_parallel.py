@@ -1,0 +1,96 @@
+"""DeepSeek V4 trains under Ulysses sequence parallelism as one process does.
+
+Each rank gathers every slice's attention inputs for the shared KV head, the sliding window,
+the compressors and the CSA indexer, and attends with its own slice's queries
+(``temper.models.layers.compressed_attention``). The debug model (sliding window 32, CSA
+ratio 4 keeping 8 entries, HCA ratio 16), fp32, random init: at 64 tokens split 32 + 32 the
+window, the compressed windows and the top-k choice all cross the slice boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from harness import run_on_ranks
+from training import Layout, assert_same_metrics, parity_config
+from training import train as train_layout
+
+from temper.recipes.deepseek_v4 import deepseek_v4_debug
+
+SINGLE8 = Layout("single8", world=1, local_batch=8)
+SP2_EP2 = Layout("sp2_ep2", world=4, local_batch=4, parallelism={"sp": 2, "ep": 2})
+
+
+@pytest.mark.slow
+def test_sequence_and_expert_parallel_v4_trains_like_one_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """SP 2 x EP 2 over four ranks: every step's loss and gradient norm of one process
+    training the same 8 rows of 64 tokens as one micro-batch (1e-5)."""
+    folder = tmp_path_factory.getbasetemp() / "deepseek_v4_sp"
+    runs = {
+        layout.name: train_layout(parity_config(deepseek_v4_debug, folder, layout), layout)
+        for layout in (SINGLE8, SP2_EP2)
+    }
+    assert_same_metrics(runs["sp2_ep2"].rows, runs["single8"].rows)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_padded_slices_give_one_process_gradients(packed: bool) -> None:
+    """79 tokens (packed: documents of 70 and 9) padded to 80 over 2 SP ranks: the loss, the
+    routing's aux loss and every parameter's gradient equal one process's on the unpadded
+    rows. The loss is a sum over 158 tokens, so the hyper-connections' few scalars get
+    gradients that cancel from O(1) terms: fp32 summed in another order leaves up to 2e-7
+    there (measured), hence the 1e-6 absolute floor; a misplaced window or entry moves the
+    logits by 1e-2."""
+    got, want = run_on_ranks(_padded_batch_rank, 2, packed)[0]
+    assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=1e-6)
+    assert got["aux"].item() == pytest.approx(want["aux"].item(), rel=1e-6)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in got["grads"].items():
+        scale = want["grads"][name].abs().max().item()
+        atol = max(1e-5 * scale, 1e-6)
+        torch.testing.assert_close(grad, want["grads"][name], rtol=1e-5, atol=atol)
+
+
+def _padded_batch_rank(packed: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    import torch.distributed as dist
+
+    from temper.models import build_model, materialize
+    from temper.objectives import CausalLM
+    from temper.parallel.ulysses import SequenceParallel
+    from temper.utils.device import init_runtime
+
+    init_runtime()
+    torch.manual_seed(0)
+    reference = materialize(build_model("deepseek_v4", "debug"), "cpu")
+    model = build_model("deepseek_v4", "debug")
+    sp = SequenceParallel(dist.group.WORLD)
+    sp.apply(model)
+    model = materialize(model, "cpu")
+    model.load_state_dict(reference.state_dict())
+
+    ids = torch.randint(1, 1000, (2, 79), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(70), torch.arange(9)]).expand(2, 79)
+    shard = sp.shard(batch)
+
+    def run(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        loss, _, _ = CausalLM().loss(model, batch)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            if model is not reference:
+                dist.all_reduce(grad)
+            grads[name] = grad
+        return {"loss": loss.detach(), "aux": model.aux_loss().detach(), "grads": grads}
+
+    got = run(model, shard)
+    dist.all_reduce(got["loss"])
+    want = run(reference, batch)
+    dist.barrier()
+    return (got, want) if dist.get_rank() == 0 else None
