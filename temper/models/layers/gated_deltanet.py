@@ -19,6 +19,7 @@ rank holding the previous chunk (``temper.kernels.state_chain``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -128,9 +129,12 @@ class GatedDeltaNet(nn.Module):
         b: torch.Tensor,
         a: torch.Tensor,
     ) -> torch.Tensor:
-        """``gated_delta_mix`` on the heads' part ``ctx.head_part``; b, a [b, s, n_v']."""
+        """``gated_delta_mix`` on the heads' part ``ctx.head_part``; b, a [b, s, n_v']. Under
+        context parallelism (``ctx.context_group``) ``context_parallel_mix``."""
         if ctx.context_group is not None:
-            return context_parallel_mix(self, q, k, v, b, a, ctx.docs, ctx.context_group)
+            return context_parallel_mix(
+                self, q, k, v, b, a, ctx.docs, ctx.context_group, ctx.head_part, ctx.head_parts
+            )
         return gated_delta_mix(
             self, q, k, v, b, a, ctx.docs, ctx.cache, part=ctx.head_part, parts=ctx.head_parts
         )
@@ -251,13 +255,16 @@ def context_parallel_mix(
     a: torch.Tensor,
     docs: DocumentMask | None,
     group: dist.ProcessGroup,
+    part: int = 0,
+    parts: int = 1,
 ) -> torch.Tensor:
     """``gated_delta_mix`` of this rank's tokens of sequences held by the CP ``group`` in the
-    load-balanced layout (``docs``: the whole sequence's documents, or None). Each of the
-    rank's two chunks runs as a one-process call would on its own documents, except that the
-    document it continues starts from the state and the last ``kernel - 1`` convolution inputs
-    that the previous chunk passed on (``state_chain``); at a document start both are zeros."""
-    conv, A_log, dt_bias = layer.head_params(0, 1)
+    load-balanced layout (``docs``: the whole sequence's documents, or None), on heads' part
+    ``part`` of ``parts`` as ``gated_delta_mix``. Each of the rank's two chunks runs as a
+    one-process call would on its own documents, except that the document it continues starts
+    from the state and the last ``kernel - 1`` convolution inputs that the previous chunk
+    passed on (``state_chain``); at a document start both are zeros."""
+    conv, A_log, dt_bias = layer.head_params(part, parts)
     shapes = q.shape[2:] + v.shape[2:]
     batch, s, n_v, d_v = v.shape
     kernel = conv.shape[1]
@@ -266,7 +273,7 @@ def context_parallel_mix(
     chunks = [ChunkDocuments(half, docs, batch, kernel) for half in columns.chunk(2)]
 
     def step(
-        half: int, shared: list[torch.Tensor], local: list[torch.Tensor], carry: Carry
+        half: int, shared: Sequence[torch.Tensor], local: Sequence[torch.Tensor], carry: Carry
     ) -> tuple[torch.Tensor, Carry]:
         conv, A_log, dt_bias = shared
         x, g, beta = _token_inputs(A_log, dt_bias, *local)
@@ -280,7 +287,8 @@ def context_parallel_mix(
         return rows.scatter(out), (states[chunk.last], next_window(x, window, kernel))
 
     zero = (
-        q.new_zeros(batch, n_v, shapes[1], d_v, dtype=torch.float32),
+        # the rule's state: fp32, or fp64 for fp64 inputs
+        q.new_zeros(batch, n_v, shapes[1], d_v, dtype=torch.promote_types(q.dtype, torch.float32)),
         q.new_zeros(batch, kernel - 1, conv.shape[0]),
     )
     return state_chain(step, (conv, A_log, dt_bias), (q, k, v, b, a), zero, group)
