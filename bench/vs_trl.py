@@ -158,6 +158,8 @@ class Case:
     batch: int
     steps: int
     group: int
+    temper_flags: tuple[str, ...] = ()
+    """More ``--section.field value`` flags for Temper's side (its other choices)."""
 
 
 WARMUP = 1
@@ -254,6 +256,7 @@ def run_temper(turns: Turns, case: Case) -> dict:
         "--lr_scheduler.warmup_steps", "0",
         "--job.dump_folder", tempfile.mkdtemp(),
         "--metrics.no_tensorboard",
+        *case.temper_flags,
     ]  # fmt: skip
     if case.mode == "grpo":
         argv += [
@@ -294,7 +297,16 @@ def run_temper(turns: Turns, case: Case) -> dict:
 
     trainer.train_step = timed_step  # type: ignore[method-assign]
     trainer.train()
-    return clock.result()
+    return clock.result() | {"phases_ms": timed_phases(config.job.dump_folder)}
+
+
+def timed_phases(run_folder: str) -> dict[str, float]:
+    """Temper's own phase timers (docs/observability.md) over the timed steps: the mean
+    milliseconds a step spent in each, from the run's metrics.jsonl (one row a step)."""
+    lines = Path(run_folder, "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines][WARMUP:]
+    keys = [key for key in rows[0] if key.startswith("time_") and key.endswith("_ms")]
+    return {key[5:-3]: statistics.mean(row[key] for row in rows) for key in keys}
 
 
 def hf_tokenizer(folder: str) -> Any:
@@ -449,6 +461,7 @@ def summary(run: dict, row_positions: int | None) -> dict[str, float]:
         "trained_tokens_per_second": trained / seconds,
         "fill": real / positions,
         "peak_gib": run["peak_gib"],
+        "phases_ms": run.get("phases_ms", {}),
     }
 
 
@@ -484,6 +497,11 @@ def main() -> None:
     )
     parser.add_argument("--group", type=int, default=8, help="grpo: completions per prompt")
     parser.add_argument(
+        "--temper-flags",
+        default="",
+        help="more flags for Temper's side, space-separated (--objective.compile_rollouts)",
+    )
+    parser.add_argument(
         "--steps", type=int, default=5, help="timed steps (rounds) a side, after one warm-up"
     )
     parser.add_argument("--records", type=int, default=512)
@@ -501,11 +519,15 @@ def main() -> None:
     ratio_header = " | ".join(f"{name} ratio (range)" for name in ratio_names)
     print(f"| mode | seq | {header} | {ratio_header} | memory ratio |")
     print("| --- | ---: |" + " ---: |" * (2 * len(COLUMNS) + len(ratio_names) + 1))
+    notes = []
     with tempfile.TemporaryDirectory() as folder:
         make_folder(Path(folder), args.records, seed=0)
         for mode in args.modes.split(","):
             for seq_len in map(int, args.seq_len.split(",")):
-                case = Case(folder, mode, seq_len, args.batch, args.steps, args.group)
+                case = Case(
+                    folder, mode, seq_len, args.batch, args.steps, args.group,
+                    tuple(args.temper_flags.split()),
+                )  # fmt: skip
                 runs = run_sides(SIDES, run_side, Turns, case)
                 row_positions = None if mode == "grpo" else args.batch * seq_len
                 ours, theirs = (summary(runs[side], row_positions) for side in SIDES)
@@ -518,6 +540,9 @@ def main() -> None:
                 )
                 memory = ours["peak_gib"] / theirs["peak_gib"]
                 print(f"| {mode} | {seq_len} | {cells} | {ratios} | {memory:.2f}x |", flush=True)
+                phases = ", ".join(f"{k} {v / 1000:.2f}" for k, v in ours["phases_ms"].items())
+                notes.append(f"{mode} {seq_len}: Temper's phases, s a step: {phases}")
+    print("\n" + "\n".join(notes))
 
 
 if __name__ == "__main__":
