@@ -499,7 +499,7 @@ def main() -> None:
     parser.add_argument(
         "--temper-flags",
         default="",
-        help="more flags for Temper's side, space-separated (--objective.compile_rollouts)",
+        help='more flags for Temper\'s side, space-separated: --temper-flags="--objective.x y"',
     )
     parser.add_argument(
         "--steps", type=int, default=5, help="timed steps (rounds) a side, after one warm-up"
