@@ -106,7 +106,14 @@ def _rank_main(
     try:
         # Pickled here, by value: tensors put on the queue as they are would be shared
         # through file descriptors that vanish when this process exits.
-        results.put((rank, True, pickle.dumps(fn(*args))))
+        value = pickle.dumps(fn(*args))
+        if dist.is_initialized():
+            # Collectives a rank issued but never waited on (an async ``full_tensor`` whose
+            # parts it did not read) are still running; leaving now would close the sockets
+            # under its peers ("connection reset by peer" on CI). Gloo runs them in order, so
+            # a barrier ends after them.
+            dist.barrier()
+        results.put((rank, True, value))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
