@@ -27,6 +27,17 @@ def randomize_norms(hf_model: nn.Module) -> None:
                 param.uniform_(0.5, 1.5)
 
 
+def earliest_first_topk(
+    self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True
+) -> torch.return_types.topk:
+    """``Tensor.topk`` with equal values in index order, the tie rule of Temper's sparse
+    selection (``select_top_k``). torch leaves topk's order among ties unspecified, and the
+    sparse indexers' ReLU scores tie at exact zeros, so the DSA and V4 parity tests patch
+    transformers' selection to this: the same function, with the ties decided alike."""
+    order = self.sort(dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+    return torch.return_types.topk((self.gather(dim, order), order))
+
+
 def max_rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_parity import check_round_trip, max_rel_err
+from hf_parity import check_round_trip, earliest_first_topk, max_rel_err
 from transformers import AutoModelForCausalLM, DeepseekV4Config, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
@@ -60,6 +60,13 @@ CONFIG = DeepseekV4Config(
     bos_token_id=None,
     eos_token_id=None,
 )
+
+
+@pytest.fixture(autouse=True)
+def _ties_decided_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers selects with ``topk``, whose order among equal scores is unspecified:
+    here it decides ties as ``select_top_k`` does (``earliest_first_topk``)."""
+    monkeypatch.setattr(torch.Tensor, "topk", earliest_first_topk)
 
 
 def tiny_hf(folder: Path) -> PreTrainedModel:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_parity import max_rel_err
+from hf_parity import earliest_first_topk, max_rel_err
 from torch import nn
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
@@ -19,6 +19,14 @@ from temper.models.layers.grouped_linear import GroupedLinear
 from temper.models.layers.hyper_connections import HyperConnection, HyperHead, residual
 from temper.models.layers.rope import YarnScaling, rope_cos_sin, rope_inv_freq
 from temper.models.layers.routers import GroupLimitedRouter, GroupLimitedRouting, HashRouter
+
+
+@pytest.fixture(autouse=True)
+def _ties_decided_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers selects with ``topk``, whose order among equal scores is unspecified:
+    here it decides ties as ``select_top_k`` does (``earliest_first_topk``)."""
+    monkeypatch.setattr(torch.Tensor, "topk", earliest_first_topk)
+
 
 SEQ = 24
 CONFIG = DeepseekV4Config(

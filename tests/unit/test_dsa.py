@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_parity import check_forward_and_grads, check_round_trip, max_rel_err, randomize_norms
+from hf_parity import (
+    check_forward_and_grads,
+    check_round_trip,
+    earliest_first_topk,
+    max_rel_err,
+    randomize_norms,
+)
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV32Config,
@@ -95,6 +101,13 @@ CASES: dict[str, tuple[PreTrainedConfig, type]] = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _ties_decided_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers selects with ``topk``, whose order among equal scores is unspecified:
+    here it decides ties as ``select_top_k`` does (``earliest_first_topk``)."""
+    monkeypatch.setattr(torch.Tensor, "topk", earliest_first_topk)
+
+
 def tiny_hf(config: PreTrainedConfig, folder: Path) -> PreTrainedModel:
     """A seeded random HF model (random norms, the indexer's LayerNorm bias included; a
     decisive router and a random expert bias, as DeepSeek V3's test does), saved."""
@@ -140,6 +153,24 @@ def test_selection_keeps_top_k_visible_keys_only() -> None:
     worst_kept = scores.masked_fill(~chosen, float("inf")).amin(-1)
     best_dropped = scores.masked_fill(chosen | ~visible, float("-inf")).amax(-1)
     assert (worst_kept > best_dropped).all()
+
+
+def test_selection_breaks_ties_towards_the_earliest_key() -> None:
+    """ReLU scores tie at exact zeros: each query keeps its best keys, then the earliest of the
+    tied ones (a hand sort on (-score, index)), and a row padded by one invisible key and
+    query chooses what it chose unpadded (``topk`` chose differently at these lengths)."""
+    g = torch.Generator().manual_seed(0)
+    for t in (16, 40, 79):
+        scores = (
+            torch.randn(2, t, t, generator=g) * (torch.rand(2, t, t, generator=g) < 0.3)
+        ).relu()
+        visible = causal_band(t, t, None, torch.device("cpu"))[None].expand(2, t, t)
+        chosen = select_top_k(scores, visible, 8)
+        padded = select_top_k(F.pad(scores, (0, 1, 0, 1)), F.pad(visible, (0, 1, 0, 1)), 8)
+        assert torch.equal(padded[:, :t, :t], chosen)
+        for b, i in ((0, t - 1), (1, t // 2), (1, 3)):
+            keys = sorted(range(i + 1), key=lambda j: (-float(scores[b, i, j]), j))[:8]
+            assert chosen[b, i].nonzero().flatten().tolist() == sorted(keys)
 
 
 def test_sparse_mla_with_every_key_kept_is_mla() -> None:

@@ -120,9 +120,12 @@ def index_scores(
 
 def select_top_k(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
     """[b, s, t] True at each query's ``topk`` best-scored ``visible`` keys (all visible ones
-    when fewer): the keys sparse attention keeps."""
+    when fewer): the keys sparse attention keeps. Equal scores (the indexer's ReLU gives exact
+    zeros) go to the earliest keys, by a stable sort rather than ``topk``, whose tie order
+    depends on the row's length: so a row padded at the end chooses what it chose unpadded."""
     masked = scores.masked_fill(~visible, float("-inf"))
-    best = masked.topk(min(topk, scores.shape[-1]), dim=-1).indices
+    order = masked.sort(dim=-1, descending=True, stable=True).indices
+    best = order[..., : min(topk, scores.shape[-1])]
     return torch.zeros_like(visible).scatter(-1, best, True) & visible
 
 
