@@ -245,7 +245,8 @@ def save_hf(
     folder = Path(path)
     tensors = dict(hf_named_tensors(model))
     if carry_from is not None:
-        tensors |= carried_tensors(model, carry_from)
+        # The model's own tensors win: a carried prefix may hold layers it models too.
+        tensors = carried_tensors(model, carry_from) | tensors
     write_safetensors(folder, tensors, max_shard_bytes)
     dtype = next(model.parameters()).dtype
     write_hf_config(folder, model, dtype, extra_config, generation_config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from temper.config import ConfigError, Parallelism
@@ -58,6 +59,13 @@ class DeepseekV4Args(MoEArgs, DecoderArgs):
     default (V4 balances with the expert bias, as V3)."""
     expert_bias_update_rate: float = 1e-3
     """Step of the aux-loss-free bias update of the top-k layers after each optimizer step."""
+    mtp_depth: int = 0
+    """Multi-token-prediction depths (``temper.models.deepseek_v4.mtp``), trained jointly with
+    the backbone; HF's ``num_nextn_predict_layers`` (1 in the released checkpoints). 0: none,
+    the model is exactly the one without MTP."""
+    mtp_loss_weight: float = 0.3
+    """The MTP loss weight shared by the depths (DeepSeek V3's lambda): each adds
+    ``weight / mtp_depth`` times its cross-entropy."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,6 +88,8 @@ class DeepseekV4Args(MoEArgs, DecoderArgs):
                 f"o_groups {self.o_groups} must divide n_heads * head_dim "
                 f"({self.n_heads * self.head_dim})"
             )
+        if self.mtp_depth < 0:
+            raise ValueError(f"mtp_depth {self.mtp_depth} must be >= 0")
         for name in ("csa_ratio", "hca_ratio", "index_topk", "hc_mult", "hc_sinkhorn_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
@@ -95,9 +105,10 @@ class DeepseekV4Args(MoEArgs, DecoderArgs):
 
 def check_v4_layout(args: DeepseekV4Args, parallelism: Parallelism) -> None:
     """The decoder rule (experts over ``ep``, hash-routed ones dispatched like top-k ones,
-    Ulysses ``sp``), and no context parallelism yet: the compressors and the indexer read
-    whole sequences, which CP's ring never holds (not built)."""
-    check_decoder_layout(args, parallelism)
+    Ulysses ``sp``, with MTP too: its depths gather the next tokens over the SP group), and
+    no context parallelism yet: the compressors and the indexer read whole sequences, which
+    CP's ring never holds (not built)."""
+    check_decoder_layout(dataclasses.replace(args, mtp_depth=0), parallelism)
     if parallelism.cp > 1:
         raise ConfigError(
             f"parallelism.cp = {parallelism.cp}: deepseek_v4 runs without context parallelism "

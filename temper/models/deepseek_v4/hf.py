@@ -10,8 +10,16 @@ Configs: the compressed layers' rotary is ``rope_parameters["compress"]`` (YaRN,
 factor transformers fixes at 1 for V4 when absent; another value is refused), the sliding
 layers' ``rope_parameters["main"]``. The older flat keys (``compress_ratios`` per layer,
 ``num_hash_layers``, ``compress_rate_csa`` / ``_hca``, ``qk_rope_head_dim``) are read as
-transformers folds them in. A released folder's multi-token-prediction tensors (``mtp.*``),
-which neither transformers nor Temper models, are carried through exports untouched.
+transformers folds them in.
+
+Multi-token-prediction depths (``num_nextn_predict_layers``) are read and written under the
+released checkpoint's names, ``mtp.{k}.*``: ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``,
+``norm``, ``hc_head_{fn,base,scale}`` and a block's tensors as a layer's (``mtp.{k}.attn.wq_a``,
+``mtp.{k}.ffn.experts.E.w1``...), the embedding and head shared with the main model
+(``temper.models.deepseek_v4.mtp``). transformers reads none of them (it drops ``mtp.*``) and
+writes ``num_nextn_predict_layers: 1``, its default, into configs whose folders hold none, so a
+folder's depth is the count of depths it holds (``fit_to_folder``); ``--model.mtp_depth 0``
+leaves them out, and an export then carries the folder's ``mtp.*`` tensors untouched.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from temper.models.deepseek_v4.args import (
     default_layer_types,
     default_mlp_layer_types,
 )
+from temper.models.deepseek_v4.mtp import mtp_block_args
 from temper.models.hf import HFAdapter, KeyRule, rope_from_hf, rope_to_hf
 from temper.models.hf_keys import SILU, ConfigNames, block_rules
 from temper.models.layers.rope import YarnScaling
@@ -53,7 +62,8 @@ CONFIG = ConfigNames(
             "routed_scaling_factor",
             "swiglu_limit",
         )
-    },
+    }
+    | {"mtp_depth": "num_nextn_predict_layers"},
     aliases={"n_experts": "n_routed_experts"},
     also_read={"n_experts": ("num_local_experts",)},
     # DeepseekV4Config's defaults.
@@ -74,6 +84,7 @@ CONFIG = ConfigNames(
         "routed_scaling_factor": 1.5,
         "swiglu_limit": 10.0,
         "max_seq_len": 1048576,
+        "mtp_depth": 1,
     },
     # Read and written below: the layer schedules (older configs spell them otherwise).
     native_only=frozenset({"router_aux_loss_coef", "layer_types"}),
@@ -215,10 +226,31 @@ def layer_rules(args: DeepseekV4Args, i: int) -> list[KeyRule]:
     return rules
 
 
+# Native name within an MTP depth -> the released checkpoint's name within ``mtp.{k}``.
+MTP_KEYS = {
+    **{f"{n}.weight": f"{n}.weight" for n in ("e_proj", "h_proj", "enorm", "hnorm", "norm")},
+    **{f"hc_head.{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")},
+}
+
+
+def mtp_rules(args: DeepseekV4Args, k: int) -> list[KeyRule]:
+    """MTP depth ``k``: its own tensors, then its block's, a sliding top-k layer's rules
+    moved from ``layers.0`` / ``model.layers.0`` to ``mtp.k.block`` / ``mtp.k``."""
+    rules = [KeyRule(f"mtp.{k}.{n}", (f"mtp.{k}.{h}",)) for n, h in MTP_KEYS.items()]
+    return rules + [_into_mtp(rule, k) for rule in layer_rules(mtp_block_args(args), 0)]
+
+
+def _into_mtp(rule: KeyRule, k: int) -> KeyRule:
+    native = rule.native.replace("layers.0.", f"mtp.{k}.block.", 1)
+    return KeyRule(native, tuple(h.replace("model.layers.0.", f"mtp.{k}.", 1) for h in rule.hf))
+
+
 def key_rules(args: DeepseekV4Args) -> list[KeyRule]:
     rules = [KeyRule("tok_embeddings.weight", ("model.embed_tokens.weight",))]
     for i in range(args.n_layers):
         rules += layer_rules(args, i)
+    for k in range(args.mtp_depth):
+        rules += mtp_rules(args, k)
     rules += [KeyRule(f"hc_head.{p}", (f"model.hc_head.hc_{p}",)) for p in ("fn", "base", "scale")]
     rules.append(KeyRule("norm.weight", ("model.norm.weight",)))
     if not args.tie_embeddings:
@@ -227,7 +259,8 @@ def key_rules(args: DeepseekV4Args) -> list[KeyRule]:
 
 
 def buffer_rules(args: DeepseekV4Args) -> list[KeyRule]:
-    """Each hash layer's token-to-experts table, each top-k layer's balancing bias."""
+    """Each hash layer's token-to-experts table, each top-k layer's balancing bias (the MTP
+    depths' too)."""
     rules = []
     for i in range(args.n_layers):
         native, hf = ("tid2eid", "tid2eid") if args.is_hash_layer(i) else ("expert_bias", "bias")
@@ -236,7 +269,17 @@ def buffer_rules(args: DeepseekV4Args) -> list[KeyRule]:
                 f"layers.{i}.feed_forward.router.{native}", (f"model.layers.{i}.ffn.gate.{hf}",)
             )
         )
-    return rules
+    bias = KeyRule("layers.0.feed_forward.router.expert_bias", ("model.layers.0.ffn.gate.bias",))
+    return rules + [_into_mtp(bias, k) for k in range(args.mtp_depth)]
+
+
+def fit_to_folder(args: DeepseekV4Args, tensor_names: set[str]) -> DeepseekV4Args:
+    """``num_nextn_predict_layers`` MTP depths only as far as the folder holds them (their
+    ``e_proj``): transformers writes 1 and saves none."""
+    depth = 0
+    while depth < args.mtp_depth and f"mtp.{depth}.e_proj.weight" in tensor_names:
+        depth += 1
+    return dataclasses.replace(args, mtp_depth=depth)
 
 
 ADAPTER = HFAdapter(
@@ -245,6 +288,7 @@ ADAPTER = HFAdapter(
     args_to_hf=args_to_hf,
     key_rules=key_rules,
     buffer_rules=buffer_rules,
-    # DeepSeek's multi-token-prediction layers, which transformers does not model either.
+    fit_to_folder=fit_to_folder,
+    # The MTP depths the model leaves out (mtp_depth below the folder's), as they are.
     carried_prefixes=("mtp.",),
 )

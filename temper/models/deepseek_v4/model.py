@@ -6,7 +6,9 @@ Whole rows, packed or not (documents attend and compress apart), Ulysses sequenc
 slices (each layer's attention gathers the slices' inputs for its keys and compressed entries,
 ``temper.models.layers.compressed_attention``; everything else works token by token), and
 decoding with a KV cache (the reference's: each layer's inputs kept, keys and compressed
-entries recomputed); there are no multi-token-prediction depths.
+entries recomputed). Optional multi-token-prediction depths (``mtp``,
+``temper.models.deepseek_v4.mtp``) run in training mode on the last block's streams and leave
+the main model's outputs unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import DocumentMask
 from temper.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
+from temper.models.deepseek_v4.mtp import DeepseekV4MTP, mtp_block_args, predict_ahead, v4_mtp_loss
 from temper.models.layers.compressed_attention import CompressedAttention
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows
 from temper.models.layers.context import ForwardContext
@@ -33,6 +36,7 @@ from temper.models.layers.moe import (
     load_imbalance,
     moe_layers,
 )
+from temper.models.layers.mtp import MTPLoss
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 from temper.models.layers.routers import (
@@ -178,6 +182,13 @@ class DeepseekV4Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        block_args = mtp_block_args(args)
+        self.mtp = nn.ModuleList(
+            DeepseekV4MTP(args, DeepseekV4Block(block_args, 0)) for _ in range(args.mtp_depth)
+        )
+        self.mtp_hidden: list[torch.Tensor] = []
+        """Each depth's normed hidden states in the latest training forward (``mtp_loss``)."""
+        self._mtp_shard: SequenceShard | None = None
         # Derived from args, never checkpointed: init_weights recomputes them after to_empty.
         main, compress = self._inv_freqs()
         self.register_buffer("inv_freq", main, persistent=False)
@@ -208,6 +219,9 @@ class DeepseekV4Transformer(nn.Module):
         self.norm.reset_parameters()
         if not args.tie_embeddings:
             init_linear(self.output, INIT_STD)
+        # After the main model's: with or without MTP its weights draw the same numbers.
+        for depth in self.mtp:
+            depth.init_weights(INIT_STD, out_std)
 
     def hidden_states(
         self,
@@ -281,6 +295,11 @@ class DeepseekV4Transformer(nn.Module):
         layers = zip(self.layers, self.args.layer_types, caches, strict=True)
         for layer, kind, layer_cache in layers:
             streams = layer(streams, *rotary[kind], doc_ids, windows[kind], layer_cache, shard)
+        self.mtp_hidden, self._mtp_shard = [], shard
+        if len(self.mtp) and cache is None and self.training:
+            self.mtp_hidden = predict_ahead(
+                self.mtp, streams, self.tok_embeddings, input_ids, *rotary[SLIDING], doc_ids, shard
+            )
         return self.norm(self.hc_head(streams))
 
     def forward(
@@ -295,6 +314,24 @@ class DeepseekV4Transformer(nn.Module):
         position's [b, 1, vocab], as the shared decoder's."""
         h = self._hidden_states(input_ids, position_ids, docs, cache, shard)
         return self.output(h if cache is None else h[:, -1:])
+
+    def mtp_loss(
+        self, labels: torch.Tensor, position_ids: torch.Tensor | None, chunk_tokens: int
+    ) -> MTPLoss | None:
+        """The MTP loss of the latest training forward for its ``labels`` [b, s] (the main
+        targets; a sequence-parallel slice's, as its forward's) and packed ``position_ids``,
+        through the head in chunks of ``chunk_tokens``; None without MTP depths."""
+        if not len(self.mtp):
+            return None
+        if not self.mtp_hidden:
+            raise RuntimeError("no MTP hidden states: run a training-mode forward first")
+        # Released here: the graph keeps what backward needs, nothing keeps them past it.
+        hidden, self.mtp_hidden = self.mtp_hidden, []
+        weight = self.args.mtp_loss_weight
+        head = self.output.weight
+        return v4_mtp_loss(
+            hidden, head, labels, position_ids, weight, chunk_tokens, self._mtp_shard
+        )
 
     def _hash_routers(self) -> list[HashRouter]:
         return [m.router for m in moe_layers(self).values() if isinstance(m.router, HashRouter)]
@@ -343,10 +380,11 @@ class DeepseekV4Transformer(nn.Module):
         frozen one), plus the scores and weighted sums over the keys a query reads, 12 *
         n_heads * head_dim per key: its window, and the compressed entries (all of HCA's,
         CSA's ``index_topk``; what a sparse kernel computes, the reference masks dense
-        scores)."""
+        scores). MTP depths count as sliding layers (their weights are among the active
+        ones), and each applies the shared head once more."""
         args = self.args
         window = min(seq_len, args.sliding_window)
-        keys = 0
+        keys = window * args.mtp_depth  # the MTP depths' sliding layers
         for kind in args.layer_types:
             keys += window
             if kind == HCA:
@@ -356,4 +394,5 @@ class DeepseekV4Transformer(nn.Module):
         weights = 6.0 * self.active_params(trainable=True) + 4.0 * self.active_params(
             trainable=False
         )
-        return weights + 12.0 * args.n_heads * args.head_dim * keys
+        drafts_head = 6.0 * args.mtp_depth * self.output.weight.numel()
+        return weights + drafts_head + 12.0 * args.n_heads * args.head_dim * keys

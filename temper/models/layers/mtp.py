@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -94,20 +95,38 @@ def mtp_loss(
     chunk_tokens: int = 1024,
 ) -> MTPLoss:
     """The loss of each depth's normed hidden states [b, s, dim] through the shared head."""
+    targets = [mtp_targets(labels, position_ids, k + 1) for k in range(len(hidden))]
+    return draft_loss(hidden, head_weight, targets, weight, chunk_tokens)
+
+
+def draft_loss(
+    hidden: list[torch.Tensor],
+    head_weight: torch.Tensor,
+    targets: list[torch.Tensor],
+    weight: float,
+    chunk_tokens: int = 1024,
+    group: dist.ProcessGroup | None = None,
+) -> MTPLoss:
+    """``mtp_loss`` given each depth's ``targets`` [b, s]; with a ``group`` (sequence-parallel
+    slices) the metrics are summed over it, so they are the whole sequences'."""
     total, correct, count = head_weight.new_zeros((), dtype=torch.float32), 0, 0
-    for k, h in enumerate(hidden):
-        targets = mtp_targets(labels, position_ids, k + 1)
-        log_probs, _ = linear_log_probs(h, head_weight, targets, chunk_tokens)
+    for h, target in zip(hidden, targets, strict=True):
+        log_probs, _ = linear_log_probs(h, head_weight, target, chunk_tokens)
         total = total - log_probs.sum()
-        valid = targets != IGNORE_INDEX
+        valid = target != IGNORE_INDEX
         with torch.no_grad():
             rows = h[valid].split(chunk_tokens)
             predicted = torch.cat([(r @ head_weight.t()).argmax(-1) for r in rows])
-        correct += int((predicted == targets[valid]).sum())
+        correct += int((predicted == target[valid]).sum())
         count += int(valid.sum())
-    denominator = max(count, 1)
+    sums = [total.item(), correct, count]
+    if group is not None:
+        reduced = torch.tensor(sums, dtype=torch.float64, device=total.device)
+        dist.all_reduce(reduced, group=group)
+        sums = reduced.tolist()
+    denominator = max(sums[2], 1)
     return MTPLoss(
         weighted_sum=total * (weight / len(hidden)),
-        mean=total.item() / denominator,
-        accuracy=correct / denominator,
+        mean=sums[0] / denominator,
+        accuracy=sums[1] / denominator,
     )

@@ -1,0 +1,137 @@
+"""DeepSeek V4's multi-token prediction: extra depths, each a V4 block predicting one token
+further, trained jointly with the backbone (DeepSeek V3's scheme, ``temper.models.layers.mtp``,
+on V4's streams).
+
+What differs from V3, as DeepSeek's V4 inference code (``MTPBlock``) and released checkpoint
+(``mtp.0.*``) hold it: a depth reads the ``hc_mult`` residual streams, not a normed hidden
+state. At position t, depth k (0-based) takes the previous depth's streams (depth 0: the main
+model's last block's output, before its hyper head) and the embedding of token t + k + 1::
+
+    streams = e_proj(enorm(embed(token t + k + 1)))[:, :, None] + h_proj(hnorm(streams))
+    streams = block(streams)                    # a V4 block: hyper-connections, attention, MoE
+    hidden  = norm(hc_head(streams))            # its own hyper head and norm
+
+and predicts token t + k + 2 through the main model's head; the embedding and head are the
+main model's, shared. The block is a sliding-window layer with top-k routed experts: the
+released config lists compression ratio 0 at the MTP layer's index (``compress_ratios[43]``
+of V4-Flash's 44), its ``mtp.0`` tensors hold no compressor or indexer, and its gate has a
+balancing bias (it is past the hash-routed layers). The loss is V3's (``mtp_loss``).
+
+Under Ulysses sequence parallelism a depth's next tokens and targets at a slice's end sit on
+the next rank: the slices' token ids and labels are all-gathered (small integers, no gradient)
+and the whole sequence shifted before each rank keeps its slice; the block itself gathers its
+attention inputs as the main layers do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from temper.data.batch import SequenceShard
+from temper.models.deepseek_v4.args import SLIDING, DeepseekV4Args
+from temper.models.layers.hyper_connections import HyperHead
+from temper.models.layers.init import init_linear
+from temper.models.layers.mtp import MTPLoss, draft_loss, mtp_loss, mtp_targets
+from temper.models.layers.norm import RMSNorm
+from temper.models.layers.sparse_attention import gather_sequence
+
+
+def mtp_block_args(args: DeepseekV4Args) -> DeepseekV4Args:
+    """The args of a one-layer model whose layer is an MTP depth's block: sliding-window
+    attention, top-k routed experts."""
+    return dataclasses.replace(args, n_layers=1, layer_types=(SLIDING,), mlp_layer_types=("moe",))
+
+
+class DeepseekV4MTP(nn.Module):
+    """One MTP depth (HF's ``mtp.{k}``): ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, a V4
+    ``block``, its ``hc_head`` and ``norm``."""
+
+    def __init__(self, args: DeepseekV4Args, block: nn.Module) -> None:
+        super().__init__()
+        dim, eps = args.dim, args.norm_eps
+        self.e_proj = nn.Linear(dim, dim, bias=False)
+        self.h_proj = nn.Linear(dim, dim, bias=False)
+        self.enorm = RMSNorm(dim, eps)
+        self.hnorm = RMSNorm(dim, eps)
+        self.block = block
+        self.hc_head = HyperHead(dim, args.hc_mult, eps=args.hc_eps, norm_eps=eps)
+        self.norm = RMSNorm(dim, eps)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for norm in (self.enorm, self.hnorm, self.norm):
+            norm.reset_parameters()
+        init_linear(self.e_proj, std)
+        init_linear(self.h_proj, std)
+        self.block.init_weights(std, out_std)
+        self.hc_head.init_weights(std)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        embedded: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        doc_ids: torch.Tensor,
+        shard: SequenceShard | None,
+    ) -> torch.Tensor:
+        """streams [b, s, hc_mult, dim] and the next tokens' embeddings [b, s, dim] -> this
+        depth's streams (the next depth's input); the block's inputs as the main layers'."""
+        x = self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+        return self.block(x, cos, sin, doc_ids, None, None, shard)
+
+
+def shifted_ids(input_ids: torch.Tensor, ahead: int, shard: SequenceShard | None) -> torch.Tensor:
+    """The token ``ahead`` columns on at each position of ``input_ids`` [b, s] (a slice's
+    with ``shard``), wrapping at the real tokens' end as one process's whole row does: the
+    wrapped columns' targets are ignored, and causal attention hides them from the rest."""
+    if shard is None:
+        return input_ids.roll(-ahead, dims=1)
+    whole = gather_sequence(input_ids, shard.group)
+    real = shard.real_len or whole.shape[1]
+    whole = torch.cat([whole[:, :real].roll(-ahead, dims=1), whole[:, real:]], dim=1)
+    return whole[:, shard.start : shard.start + input_ids.shape[1]]
+
+
+def predict_ahead(
+    depths: nn.ModuleList,
+    streams: torch.Tensor,
+    embedding: nn.Embedding,
+    input_ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    doc_ids: torch.Tensor,
+    shard: SequenceShard | None,
+) -> list[torch.Tensor]:
+    """Each depth's normed hidden state [b, s, dim] from the main model's last streams."""
+    normed = []
+    for k, depth in enumerate(depths):
+        embedded = embedding(shifted_ids(input_ids, k + 1, shard))
+        streams = depth(streams, embedded, cos, sin, doc_ids, shard)
+        normed.append(depth.norm(depth.hc_head(streams)))
+    return normed
+
+
+def v4_mtp_loss(
+    hidden: list[torch.Tensor],
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    weight: float,
+    chunk_tokens: int,
+    shard: SequenceShard | None,
+) -> MTPLoss:
+    """``mtp_loss`` of the depths' ``hidden`` states; with a ``shard``, ``labels`` and
+    ``position_ids`` are the slice's: each depth's targets come from the whole sequence's
+    (gathered), and the metrics are the whole sequence's (summed over the SP group)."""
+    if shard is None:
+        return mtp_loss(hidden, head_weight, labels, position_ids, weight, chunk_tokens)
+    whole_labels = gather_sequence(labels, shard.group)
+    whole_positions = None if position_ids is None else gather_sequence(position_ids, shard.group)
+    local = slice(shard.start, shard.start + labels.shape[1])
+    targets = [
+        mtp_targets(whole_labels, whole_positions, k + 1)[:, local] for k in range(len(hidden))
+    ]
+    return draft_loss(hidden, head_weight, targets, weight, chunk_tokens, shard.group)
