@@ -537,7 +537,9 @@ class QAT:
 
 
 Impl = Literal["auto", "reference", "compile", "triton"]
-Op = Literal["cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute", "gated_delta"]
+Op = Literal[
+    "cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute", "gated_delta", "sparse_attention"
+]
 
 
 @dataclass
@@ -565,6 +567,9 @@ class Kernels:
     gated_delta: Impl = "auto"
     """Gated DeltaNet's chunked delta rule; triton runs flash-linear-attention's kernel when
     the ``fla`` package is installed (CUDA)."""
+    sparse_attention: Impl = "auto"
+    """DeepSeek sparse attention's core (each query over its selected keys): the reference
+    masks dense scores (sdpa); triton reads only the selected keys."""
 
     def __post_init__(self) -> None:
         if self.cross_entropy_chunk < 0:

@@ -23,8 +23,10 @@ from temper.kernels.dispatch import REFERENCE, Impl, Kernels, configure_kernels
 from temper.kernels.moe_permute import permute, unpermute
 from temper.kernels.norm import rms_norm
 from temper.kernels.rope import apply_rope
+from temper.kernels.sparse_attention import gather_attention, selected_indices, sparse_attention
 from temper.kernels.swiglu import swiglu
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
+from temper.models.layers.sparse_attention import select_top_k
 
 Inputs = tuple[torch.Tensor, ...]
 
@@ -110,6 +112,27 @@ def _ce_loss(inputs: Inputs, impl: Impl) -> torch.Tensor:
     return linear_cross_entropy(hidden, weight, labels, 1e-2, chunk_tokens=8, impl=impl)[0]
 
 
+def _sparse_inputs(device: torch.device, dtype: torch.dtype) -> Inputs:
+    """q, k, v of two 11-token rows, the second packed as documents of 4 and 7 tokens, and
+    each query's 5 best-scored keys of its document's prefix (all of them, with empty slots,
+    where that prefix is shorter)."""
+    q = _randn(2, 11, 3, 12, device=device, dtype=dtype, seed=0)
+    k = _randn(2, 11, 3, 12, device=device, dtype=dtype, seed=1)
+    v = _randn(2, 11, 3, 8, device=device, dtype=dtype, seed=2)
+    docs = torch.tensor([[0] * 11, [0] * 4 + [1] * 7])
+    visible = (docs[:, :, None] == docs[:, None, :]) & torch.ones(11, 11, dtype=torch.bool).tril()
+    scores = torch.randn(2, 11, 11, generator=torch.Generator().manual_seed(3))
+    return q, k, v, select_top_k(scores, visible, 5).to(device)
+
+
+def _sparse(inputs: Inputs, impl: Impl) -> torch.Tensor:
+    """Against the gather of the selected keys (the kernel's computation in plain PyTorch)."""
+    q, k, v, selected = inputs
+    if impl == "reference":
+        return gather_attention(q, k, v, selected_indices(selected), 0.3)
+    return sparse_attention(q, k, v, selected, 0.3, impl=impl)
+
+
 CASES = [
     Case("rmsnorm", _norm_inputs(3, 7, 37), lambda t, impl: rms_norm(*t, 1e-6, impl=impl)),
     Case("qk_norm", _norm_inputs(2, 5, 3, 16), lambda t, impl: rms_norm(*t, 1e-5, impl=impl)),
@@ -120,6 +143,7 @@ CASES = [
     Case("moe_unpermute", _unpermute_inputs, lambda t, impl: unpermute(*t, impl=impl)),
     Case("cross_entropy", _ce_inputs, _ce),
     Case("cross_entropy_loss", _ce_inputs, _ce_loss),
+    Case("sparse_attention", _sparse_inputs, _sparse),
 ]
 
 

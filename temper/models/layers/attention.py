@@ -35,8 +35,8 @@ def attend(
 ) -> torch.Tensor:
     """q [b, s, h, d] over k, v [b, s, h_kv, d(_v)] as ``ctx`` says: causal or block-causal
     over ``ctx.docs`` on ``ctx.backend``, or as ring attention over ``ctx.context_group``;
-    restricted to ``ctx.selected`` (sparse attention, on sdpa); or, decoding, over every key
-    in ``ctx.cache`` after storing these."""
+    or, decoding, over every key in ``ctx.cache`` after storing these (only the keys of
+    ``ctx.selected`` when sparse attention set it)."""
     if ctx.context_group is not None:
         return ring_attention(
             q, k, v, ctx.docs, ctx.context_group, scale=scale, window=window, sinks=sinks
@@ -45,9 +45,6 @@ def attend(
         return ctx.cache.attend(
             q, k, v, scale=scale, window=window, sinks=sinks, chosen=ctx.selected
         )
-    if ctx.selected is not None:
-        mask = ctx.selected[:, None]
-        return causal_attention(q, k, v, mask=mask, scale=scale, window=window, sinks=sinks)
     return causal_attention(
         q, k, v, ctx.docs, backend=ctx.backend, scale=scale, window=window, sinks=sinks
     )

@@ -13,9 +13,11 @@ rotate-half layout (DeepSeek V3.2) or in interleaved pairs (GLM-5). The selectio
 it runs without gradient, so the main loss never reaches the indexer (as in transformers, whose
 indexer runs under ``no_grad``).
 
-This is the plain-PyTorch reference: the selection becomes a boolean mask over dense scores,
-so its cost is that of dense attention. Keys a query may not see (future ones, other packed
-documents, left padding) are never selected; when fewer than ``topk`` are visible, all are.
+The attention over the selection runs through ``kernels.sparse_attention``: the plain-PyTorch
+reference makes it a boolean mask over dense scores (the cost of dense attention); the Triton
+kernel (CUDA's ``auto``) reads only the selected keys (``temper.kernels.sparse_attention``).
+Keys a query may not see (future ones, other packed documents, left padding) are never
+selected; when fewer than ``topk`` are visible, all are.
 
 Training the indexer (``IndexerTraining``, DeepSeek V3.2 report): its scores, computed from
 detached inputs, learn the main attention's distribution over the same keys (summed over
@@ -38,6 +40,7 @@ from torch import nn
 
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import causal_band
+from temper.kernels.sparse_attention import sparse_attention
 from temper.models.layers.context import ForwardContext
 from temper.models.layers.init import init_linear
 from temper.models.layers.mla import MLA
@@ -161,9 +164,10 @@ class SparseMLA(MLA):
     """MLA whose queries attend only to the keys their ``indexer`` selects (DSA).
 
     The MLA projections and rotary are the parent's; the indexer reads its query latent, so
-    ``q_lora_rank`` is required. The context's ``backend`` is ignored: the reference attention
-    takes the selection as an explicit mask, which only sdpa does. With ``indexer_training``
-    other than ``off``, a training-mode forward leaves its ``indexer_kl`` (module docstring).
+    ``q_lora_rank`` is required. The context's ``backend`` is ignored: the attention runs as
+    ``kernels.sparse_attention`` says (the mask on sdpa, or the Triton kernel). With
+    ``indexer_training`` other than ``off``, a training-mode forward leaves its
+    ``indexer_kl`` (module docstring).
 
     ``selection``: where the layer leaves its choice for the layers after it, or, with
     ``own_indexer`` False (no indexer), where it takes the choice of the layer before.
@@ -249,6 +253,17 @@ class SparseMLA(MLA):
                 self.selection.chosen = chosen
         out = self.sequence_core(self, q, k, v, dataclasses.replace(ctx, selected=chosen))
         return self.wo(out.flatten(2))
+
+    def mix_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Each query over its selected keys (``ctx.selected``) through the kernel dispatcher
+        (``kernels.sparse_attention``: the masked reference, or the Triton kernel that reads
+        only those keys); decoding, through the KV cache as MLA does."""
+        if ctx.cache is not None:
+            return super().mix_heads(q, k, v, ctx)
+        assert ctx.selected is not None  # forward sets it
+        return sparse_attention(q, k, v, ctx.selected, self.softmax_scale)
 
     def _choose(
         self,

@@ -1,0 +1,79 @@
+"""Top-k sparse attention (DeepSeek sparse attention's core) behind the kernel dispatcher.
+
+Each query attends to its own set of keys, the same for every head: ``selected`` [b, s, t]
+True at them. The reference is the dense form: the selection as a boolean mask over dense
+scores through sdpa, whose cost is dense attention's. The Triton form reads only the selected
+keys: the selection becomes each query's list of key positions (``selected_indices``) and the
+kernel gathers those rows. ``gather_attention`` is that computation in plain PyTorch, the
+Triton kernel's oracle in tests (it holds [b, s, n, h, d] gathered keys, so it is no path for
+real sizes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from temper.kernels.attention import attention
+from temper.kernels.dispatch import Impl, choose
+
+INDEX_ROWS = 1024
+"""Queries per chunk while turning a selection into indices: bounds the int32 [b, chunk, t]
+scratch (128 MiB at 32K keys) whatever the sequence length."""
+
+
+def sparse_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q, k [b, s(t), h, d_qk], v [b, t, h, d_v] -> [b, s, h, d_v], each query over the keys
+    ``selected`` [b, s, t] marks: dense scores under that mask (sdpa)."""
+    return attention(q, k, v, mask=selected[:, None], scale=scale)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selected: torch.Tensor,
+    scale: float,
+    impl: Impl | None = None,
+) -> torch.Tensor:
+    """``sparse_attention_reference`` through the dispatcher; ``impl`` pins one form."""
+    return choose("sparse_attention", q.device, impl, sparse_attention_reference, _triton)(
+        q, k, v, selected, scale
+    )
+
+
+def selected_indices(selected: torch.Tensor) -> torch.Tensor:
+    """int32 [b, s, n]: the positions each query's row of ``selected`` [b, s, t] marks, n the
+    most any query marks, -1 in a row's empty slots. Reads n back to the host (one sync)."""
+    width = int(selected.sum(-1).max())
+    positions = torch.arange(selected.shape[-1], device=selected.device, dtype=torch.int32)
+    chunks = [
+        torch.where(rows, positions, -1).topk(width, dim=-1).values
+        for rows in selected.split(INDEX_ROWS, dim=1)
+    ]
+    return torch.cat(chunks, dim=1)
+
+
+def gather_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [b, s, h, d_qk] over the keys of k [b, t, h, d_qk] and v [b, t, h, d_v] that
+    ``indices`` [b, s, n] lists (-1: an empty slot): gather them, softmax over them (fp32),
+    -> [b, s, h, d_v] in q's dtype."""
+    rows = torch.arange(q.shape[0], device=q.device)[:, None, None]
+    slots = indices.clamp(min=0).long()
+    keys, values = k[rows, slots].float(), v[rows, slots].float()  # [b, s, n, h, d]
+    logits = torch.einsum("bshd,bsnhd->bshn", q.float(), keys) * scale
+    logits = logits.masked_fill((indices < 0)[:, :, None], float("-inf"))
+    return torch.einsum("bshn,bsnhd->bshd", logits.softmax(-1), values).to(q.dtype)
+
+
+def _triton() -> Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]:
+    from temper.kernels.triton.sparse_attention import sparse_attention
+
+    return sparse_attention
