@@ -47,8 +47,11 @@ def test_expert_and_sequence_parallel_dsa_trains_like_one_process(
     assert "layers.1.feed_forward.experts" in runs["ep2"].fsdp_units
     for run in (runs["ep2"], runs["sp2_ep2"]):
         assert_same_metrics(run.rows, reference.rows)
+        # The KL (3e-4 by step 3) is a small difference of larger terms, and the indexers
+        # train on it: the runs' 1e-7 differences in the weights reach it at 5.4e-5 relative
+        # by step 5 (measured; 1e-7 at step 1), while loss and grad norm stay within 1e-5.
         for row, ref in zip(run.rows, reference.rows, strict=True):
-            assert row["indexer_kl"] == pytest.approx(ref["indexer_kl"], rel=1e-5)
+            assert row["indexer_kl"] == pytest.approx(ref["indexer_kl"], rel=1e-4)
     # The indexers learn: their KL toward the main attention falls over the run.
     assert reference.rows[-1]["indexer_kl"] < reference.rows[0]["indexer_kl"]
 
