@@ -81,6 +81,10 @@ class Plan:
     ep_imbalance: float = EP_IMBALANCE
     """Under EP every rank is planned as the busiest (any may be): it receives this many
     times its even share of routed rows."""
+    flops_per_token: float = 0.0
+    """Training FLOPs per token at the run's ``seq_len``: the model's own count, the one MFU
+    divides by (for sparse attention, the keys each query attends to and the indexer's
+    scores, not dense attention)."""
 
 
 def plan_run(
@@ -123,6 +127,7 @@ def plan_run(
     length = -(-seq_len // dims.sp) if dims.cp == 1 else 2 * -(-seq_len // (2 * dims.cp))
     plan.tokens = (config.training.local_batch_size, length)
     unsharded = build_run_model(config, tokenizer)
+    plan.flops_per_token = unsharded.flops_per_token(seq_len)
     if dtype != torch.float32:
         unsharded = unsharded.to(dtype)
     imbalance = ep_imbalance if dims.ep > 1 else None

@@ -36,6 +36,10 @@ def format_plan(plan: Plan) -> str:
         f"micro-batch per rank: {rows} x {length} tokens, {plan.grad_accum} per step "
         "(grad accumulation)"
     )
+    lines.append(
+        f"training FLOPs per token at {config.training.seq_len} tokens: "
+        f"{plan.flops_per_token:.3e} (the count MFU uses)"
+    )
     lines.append("")
     lines.append("| ranks | params | grads | optimizer | activations | gathered | peak (GiB) |")
     lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -1,8 +1,11 @@
 """DeepSeek sparse attention's core: the gather of the selected keys (the Triton kernel's oracle,
 test_kernels_triton.py) equals the masked dense reference the layer runs on CPU; the selection
-becomes the key lists the kernel reads; ``SparseMLA`` reaches the core through the dispatcher."""
+becomes the key lists the kernel reads; ``SparseMLA`` reaches the core through the dispatcher;
+the FLOPs MFU counts are the sparse work."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,6 +17,8 @@ from temper.kernels.sparse_attention import (
     selected_indices,
     sparse_attention_reference,
 )
+from temper.models import get_model_spec
+from temper.models.deepseek_v32 import DeepseekV32Transformer
 from temper.models.layers.context import ForwardContext
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 from temper.models.layers.sparse_attention import SparseMLA
@@ -72,3 +77,49 @@ def test_sparse_mla_runs_the_dispatched_core(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(dispatch, "compiled", lambda fn: spy)
     torch.testing.assert_close(layer(x, ctx), plain, rtol=0, atol=0)
     assert seen == [0.25]
+
+
+@pytest.mark.parametrize(
+    ("mode", "attention"),
+    [
+        # Per layer at 256 tokens, top-k 64; debug: 8 heads, qk 48 / v 32 dims, indexer 4 x 32.
+        # MLA 6 * 8 * 80 * 64 + indexer scores 2 * 4 * 32 * 256.
+        ("off", 245760 + 65536),
+        # + the indexer's backward (scores x 3) + the KL target 2 * 8 * 48 * 64.
+        ("sparse", 245760 + 196608 + 49152),
+        # MLA forward only over all 256 keys, 2 * 8 * 80 * 256, + indexer x 3 + target 2*8*48*256.
+        ("dense_warmup", 327680 + 196608 + 196608),
+    ],
+)
+def test_flops_count_the_sparse_work_by_hand(mode: str, attention: int) -> None:
+    """The MFU count of deepseek_v32's debug flavor (4 layers), by hand: the attention terms
+    and the weights' (the indexers' 25,664 weights a layer, 2 FLOPs each when they do not
+    train; every frozen weight 2 in the warm-up)."""
+    args = get_model_spec("deepseek_v32").flavors["debug"]
+    with torch.device("meta"):
+        model = DeepseekV32Transformer(
+            dataclasses.replace(args, index_topk=64, indexer_training=mode)
+        )
+    active, indexers = model.active_params(), 4 * 25664
+    weights = {
+        "off": 6 * active - 4 * indexers,
+        "sparse": 6 * active,
+        "dense_warmup": 6 * indexers + 2 * (active - indexers),
+    }[mode]
+    assert model.flops_per_token(256) == weights + 4 * attention
+
+
+def test_dry_run_counts_the_sparse_work() -> None:
+    """The dry run's FLOPs per token for the debug recipe (indexer training ``sparse``, 256
+    tokens, top-k 64) are the model's sparse count, below dense DeepSeek V3's."""
+    from temper.config import load_config
+    from temper.models.deepseek_v3.model import DeepseekV3Transformer
+    from temper.plan import plan_run
+
+    config = load_config("temper.recipes.deepseek_v32", "deepseek_v32_debug")
+    plan = plan_run(config, 1, "cpu")
+    args = get_model_spec("deepseek_v32").flavors["debug"]
+    with torch.device("meta"):
+        model = DeepseekV32Transformer(dataclasses.replace(args, indexer_training="sparse"))
+    assert plan.flops_per_token == model.flops_per_token(256)
+    assert plan.flops_per_token < DeepseekV3Transformer.flops_per_token(model, 256)

@@ -53,12 +53,45 @@ class DeepseekV32Transformer(DeepseekV3Transformer):
             own_indexer=args.has_indexer(layer_id),
         )
 
+    def weight_flops_per_token(self) -> float:
+        """DeepSeek V3's count, less what never runs backward: the indexers' weights when they
+        do not train (they score under ``no_grad``), and in ``dense_warmup`` every frozen
+        weight (nothing before them trains; the indexers read detached inputs)."""
+        if self.args.indexer_training == "dense_warmup":
+            frozen = self.active_params(trainable=False)
+            return 6.0 * self.active_params(trainable=True) + 2.0 * frozen
+        flops = super().weight_flops_per_token()
+        if self.args.indexer_training == "off":
+            flops -= 4.0 * sum(p.numel() for n, p in self.named_parameters() if ".indexer." in n)
+        return flops
+
     def flops_per_token(self, seq_len: int) -> float:
-        """DeepSeek V3's count with each query attending to at most ``index_topk`` keys (what
-        a sparse kernel computes; the reference masks dense scores), plus the indexer's
-        scores, forward only since the main loss does not train it: 2 * index_n_heads *
-        index_head_dim * seq_len per layer with an indexer."""
+        """The weights' (``weight_flops_per_token``) plus each layer's
+        ``attention_flops_per_token``: the sparse work, not dense MLA's."""
         args = self.args
-        indexed = sum(args.has_indexer(i) for i in range(args.n_layers))
-        indexer = 2.0 * indexed * args.index_n_heads * args.index_head_dim * seq_len
-        return super().flops_per_token(min(seq_len, args.index_topk)) + indexer
+        attention = sum(
+            attention_flops_per_token(args, seq_len, args.has_indexer(i))
+            for i in range(args.n_layers)
+        )
+        return self.weight_flops_per_token() + attention
+
+
+def attention_flops_per_token(args: DeepseekV32Args, seq_len: int, indexer: bool) -> float:
+    """One DSA layer's training FLOPs per token at ``seq_len`` beyond its weights, counting
+    every earlier key as DeepSeek V3's count does (full, not causal-halved):
+
+    - MLA's scores and weighted sum, 2 * n_heads * (qk_head_dim + v_head_dim) per key over
+      ``index_topk`` keys at most (every key in ``dense_warmup``), times 3 for the backward
+      (none in ``dense_warmup``, where nothing before the loss trains);
+    - with ``indexer``, its scores over every key, 2 * index_n_heads * index_head_dim per key,
+      times 3 when it trains;
+    - when it trains, the KL's target: MLA's scores again, without gradient, over the keys
+      attended (the reference computes them over every key; a sparse kernel need not).
+    """
+    warmup = args.indexer_training == "dense_warmup"
+    trains = args.indexer_training != "off"
+    keys = seq_len if warmup else min(seq_len, args.index_topk)
+    mla = (2.0 if warmup else 6.0) * args.n_heads * (args.qk_head_dim + args.v_head_dim) * keys
+    scores = (6.0 if trains else 2.0) * args.index_n_heads * args.index_head_dim * seq_len
+    target = 2.0 * args.n_heads * args.qk_head_dim * keys if trains else 0.0
+    return mla + (scores + target) * indexer
