@@ -44,10 +44,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG
 triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/gpu.txt"
 
 # The tests whose fast paths only run on CUDA (the rest run in CI): every Triton op against its
-# reference (fp32 and bf16), the flash varlen / flex attention backends, gpt-oss's sinks and
-# windows through flex, selective checkpointing keeping each backend's output, FLA's gated
-# delta rule when fla is installed, and the FP8 routed experts (torchao's FP8 grouped GEMM,
-# sm90+) against bf16. TESTS_K narrows them (a pytest -k expression).
+# reference (fp32 and bf16; DeepSeek sparse attention's kernel against its gather, and SparseMLA
+# on that kernel against the masked reference: TESTS_K=sparse runs those alone), the flash
+# varlen / flex attention backends, gpt-oss's sinks and windows through flex, selective
+# checkpointing keeping each backend's output, FLA's gated delta rule when fla is installed,
+# and the FP8 routed experts (torchao's FP8 grouped GEMM, sm90+) against bf16. TESTS_K
+# narrows them (a pytest -k expression).
 step tests 240 "$PY" -m pytest -v --tb=short -p no:cacheprovider -rs \
   -k "${TESTS_K:-cuda or gpu or triton}" tests/unit/test_kernels_triton.py \
   tests/unit/test_attention.py tests/unit/test_gpt_oss.py tests/unit/test_gated_deltanet.py \
