@@ -24,28 +24,38 @@ SP2_EP2 = Layout("sp2_ep2", world=4, local_batch=4, parallelism={"sp": 2, "ep": 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mtp_depth", [0, 1], ids=["plain", "mtp"])
 def test_sequence_and_expert_parallel_v4_trains_like_one_process(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, mtp_depth: int
 ) -> None:
     """SP 2 x EP 2 over four ranks: every step's loss and gradient norm of one process
-    training the same 8 rows of 64 tokens as one micro-batch (1e-5)."""
-    folder = tmp_path_factory.getbasetemp() / "deepseek_v4_sp"
-    runs = {
-        layout.name: train_layout(parity_config(deepseek_v4_debug, folder, layout), layout)
-        for layout in (SINGLE8, SP2_EP2)
-    }
+    training the same 8 rows of 64 tokens as one micro-batch (1e-5), with and without a
+    multi-token-prediction depth trained jointly (its loss is in the loss)."""
+    folder = tmp_path_factory.getbasetemp() / f"deepseek_v4_sp_mtp{mtp_depth}"
+    runs = {}
+    for layout in (SINGLE8, SP2_EP2):
+        config = parity_config(deepseek_v4_debug, folder, layout)
+        config.model.mtp_depth = mtp_depth
+        runs[layout.name] = train_layout(config, layout)
+    if mtp_depth:
+        assert all("mtp_loss" in row for row in runs["single8"].rows)
+        for row, ref in zip(runs["sp2_ep2"].rows, runs["single8"].rows, strict=True):
+            assert row["mtp_loss"] == pytest.approx(ref["mtp_loss"], rel=1e-5)
     assert_same_metrics(runs["sp2_ep2"].rows, runs["single8"].rows)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
-def test_padded_slices_give_one_process_gradients(packed: bool) -> None:
+@pytest.mark.parametrize(
+    ("packed", "mtp_depth"), [(False, 0), (True, 0), (True, 1)], ids=["rows", "packed", "mtp"]
+)
+def test_padded_slices_give_one_process_gradients(packed: bool, mtp_depth: int) -> None:
     """79 tokens (packed: documents of 70 and 9) padded to 80 over 2 SP ranks: the loss, the
     routing's aux loss and every parameter's gradient equal one process's on the unpadded
-    rows. The loss is a sum over 158 tokens, so the hyper-connections' few scalars get
-    gradients that cancel from O(1) terms: fp32 summed in another order leaves up to 2e-7
-    there (measured), hence the 1e-6 absolute floor; a misplaced window or entry moves the
-    logits by 1e-2."""
-    got, want = run_on_ranks(_padded_batch_rank, 2, packed)[0]
+    rows; with an MTP depth too (its next tokens and targets cross the slices' boundary, its
+    wrapped last columns are the real tokens' as one process's). The loss is a sum over 158
+    tokens, so the hyper-connections' few scalars get gradients that cancel from O(1) terms:
+    fp32 summed in another order leaves up to 2e-7 there (measured), hence the 1e-6 absolute
+    floor; a misplaced window or entry moves the logits by 1e-2."""
+    got, want = run_on_ranks(_padded_batch_rank, 2, packed, mtp_depth)[0]
     assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=1e-6)
     assert got["aux"].item() == pytest.approx(want["aux"].item(), rel=1e-6)
     assert got["grads"].keys() == want["grads"].keys()
@@ -55,7 +65,9 @@ def test_padded_slices_give_one_process_gradients(packed: bool) -> None:
         torch.testing.assert_close(grad, want["grads"][name], rtol=1e-5, atol=atol)
 
 
-def _padded_batch_rank(packed: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def _padded_batch_rank(
+    packed: bool, mtp_depth: int
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     import torch.distributed as dist
 
     from temper.models import build_model, materialize
@@ -65,8 +77,9 @@ def _padded_batch_rank(packed: bool) -> tuple[dict[str, Any], dict[str, Any]] | 
 
     init_runtime()
     torch.manual_seed(0)
-    reference = materialize(build_model("deepseek_v4", "debug"), "cpu")
-    model = build_model("deepseek_v4", "debug")
+    overrides = {"mtp_depth": mtp_depth}
+    reference = materialize(build_model("deepseek_v4", "debug", overrides=overrides), "cpu")
+    model = build_model("deepseek_v4", "debug", overrides=overrides)
     sp = SequenceParallel(dist.group.WORLD)
     sp.apply(model)
     model = materialize(model, "cpu")

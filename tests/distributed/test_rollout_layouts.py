@@ -285,8 +285,12 @@ def test_grpo_with_accumulation_on_two_data_ranks_rolls_out_like_one_process(
 
 @pytest.mark.parametrize(
     ("model", "parallelism"),
-    [("llama3", {"sp": 2}), pytest.param("qwen3_moe", {"sp": 2, "ep": 2}, marks=pytest.mark.slow)],
-    ids=["sp2", "sp2_ep2"],
+    [
+        ("llama3", {"sp": 2}),
+        pytest.param("qwen3_moe", {"sp": 2, "ep": 2}, marks=pytest.mark.slow),
+        ("deepseek_v4", {"sp": 2}),
+    ],
+    ids=["sp2", "sp2_ep2", "deepseek_v4-sp2"],
 )
 def test_grpo_under_sequence_parallelism_trains_like_one_process(
     tmp_path: Path, model: str, parallelism: dict[str, int]
@@ -316,10 +320,11 @@ def test_grpo_under_sequence_parallelism_trains_like_one_process(
             assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), name
 
 
-def _dpo_config(folder: Path, sp: int, loss_type: str) -> Config:
+def _dpo_config(folder: Path, sp: int, loss_type: str, model: str | None = None) -> Config:
     from temper.recipes.posttrain import dpo_debug
 
     config = dpo_debug()
+    config.model.name = model or config.model.name
     config.objective.loss_type = loss_type
     config.job.dump_folder = str(folder)
     config.checkpoint.initial_load = config.checkpoint.initial_recipe = None
@@ -333,15 +338,21 @@ def _dpo_config(folder: Path, sp: int, loss_type: str) -> Config:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+@pytest.mark.parametrize(
+    ("loss_type", "model"),
+    [("sigmoid", None), ("simpo", None), ("sigmoid", "deepseek_v4")],
+    ids=["sigmoid", "simpo", "deepseek_v4-sigmoid"],
+)
 def test_dpo_under_sequence_parallelism_trains_like_one_process(
-    tmp_path: Path, loss_type: str
+    tmp_path: Path, loss_type: str, model: str | None
 ) -> None:
     """SP 2 slices both sides of each pair; the slices' sequence sums (and, for the
     length-normalized simpo, answer lengths) meet over the SP group before the preference
-    loss: the steps equal one process's within 1e-5."""
-    single = run_on_ranks(_train_rows, 1, [_dpo_config(tmp_path / "single", 1, loss_type)])[0]
-    sp = run_on_ranks(_train_rows, 2, [_dpo_config(tmp_path / "sp", 2, loss_type)])[0]
+    loss: the steps equal one process's within 1e-5 (the recipe's model, and DeepSeek V4,
+    whose attention gathers the slices itself)."""
+    single_config = _dpo_config(tmp_path / "single", 1, loss_type, model)
+    single = run_on_ranks(_train_rows, 1, [single_config])[0]
+    sp = run_on_ranks(_train_rows, 2, [_dpo_config(tmp_path / "sp", 2, loss_type, model)])[0]
     assert all(row["grad_norm"] > 0 for row in single)
     assert_same_metrics(sp, single)
     for row, ref in zip(sp, single, strict=True):
