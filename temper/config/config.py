@@ -49,8 +49,9 @@ class Model:
     CUDA sm80+, bf16). auto = sdpa, or on CUDA for packed documents varlen else flex, and for
     attention sinks (gpt-oss) flex."""
     mtp_depth: int | None = None
-    """Multi-token-prediction depths (deepseek_v3), trained jointly with a weighted draft loss;
-    None = the flavor's or hf_path config's (0 / num_nextn_predict_layers)."""
+    """Multi-token-prediction depths (deepseek_v3, deepseek_v4), trained jointly with a
+    weighted draft loss; None = the flavor's or hf_path config's (0 / num_nextn_predict_layers,
+    as far as the folder holds them)."""
     mtp_loss_weight: float | None = None
     """Weight of the MTP loss, shared by the depths; None = the model's (0.3)."""
     indexer_training: Literal["off", "sparse", "dense_warmup"] | None = None
