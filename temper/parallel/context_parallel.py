@@ -8,6 +8,11 @@ so under causal masking every rank has the same attention work. Positions stay g
 and the document mask read them); padding follows Ulysses' convention (label -100, position
 ``PAD_POSITION``: each pad its own document), and the padding is always the end of a rank's
 local tokens, so ``SequenceShard.valid_len`` keeps it out of MoE routing statistics.
+
+CP composes with Ulysses SP (2-D sequence parallelism): each CP rank's tokens are cut again
+into ``sp`` contiguous slices, one per SP rank; around each mixer Ulysses' all-to-all gathers
+the CP rank's tokens for a part of the heads, and the ring passes those heads' K/V blocks (or
+Gated DeltaNet states) between the CP ranks holding the same part (``ContextParallel``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ from temper.models.layers.context import ForwardContext, SequenceMixer
 from temper.models.layers.gated_deltanet import GatedDeltaNet, GroupedGatedDeltaNet
 from temper.models.layers.mla import MLA
 from temper.models.layers.sink_attention import SinkAttention
-from temper.parallel.ulysses import PAD_POSITION, PREFERENCE_SIDES, VISION_FIELDS, sequence_mixers
+from temper.parallel.ulysses import (
+    PAD_POSITION,
+    PREFERENCE_SIDES,
+    VISION_FIELDS,
+    UlyssesCore,
+    sequence_mixers,
+)
 
 CP_MIXERS = (Attention, GatedAttention, MLA, SinkAttention, GatedDeltaNet, GroupedGatedDeltaNet)
 """The token mixers with a CP form: softmax attention through ``attend``, which runs as ring
@@ -44,11 +55,18 @@ refused, not run on part of each sequence."""
 
 
 def shard_batch(
-    batch: Batch, rank: int, size: int, group: dist.ProcessGroup | None = None
+    batch: Batch,
+    rank: int,
+    size: int,
+    group: dist.ProcessGroup | None = None,
+    part: int = 0,
+    parts: int = 1,
 ) -> Batch:
-    """CP rank ``rank``'s tokens (of ``size``, the CP ``group``) of a [b, s] batch, right-padded
-    to a multiple of ``2 * size``, in the load-balanced layout. A preference batch
-    (``chosen_*`` and ``rejected_*`` fields) has each side sharded so.
+    """CP rank ``rank``'s tokens (of ``size``) of a [b, s] batch, right-padded to a multiple of
+    ``2 * size * parts``, in the load-balanced layout; with ``parts`` > 1 (CP x SP) only the
+    ``part``-th of ``parts`` contiguous slices of them (an SP rank's). ``group`` holds every
+    rank with a share of the same rows. A preference batch (``chosen_*`` and ``rejected_*``
+    fields) has each side sharded so.
 
     Every [b, s] field is taken at the rank's columns (``input_ids`` and others zero-padded,
     ``labels`` with -100, ``position_ids`` with ``PAD_POSITION``; rows without positions get
@@ -67,6 +85,8 @@ def shard_batch(
                 rank,
                 size,
                 group,
+                part,
+                parts,
             ).items()
         }
     if any(key in batch for key in VISION_FIELDS):
@@ -80,7 +100,7 @@ def shard_batch(
     positions = packed
     if positions is None:
         positions = torch.arange(s, device=input_ids.device).expand(b, s)
-    pad = -s % (2 * size)
+    pad = -s % (2 * size * parts)
     padded = {
         "input_ids": F.pad(input_ids, (0, pad), value=0),
         "labels": F.pad(labels, (0, pad), value=IGNORE_INDEX),
@@ -89,9 +109,9 @@ def shard_batch(
     for key, t in batch.items():
         if key not in padded:
             padded[key] = pad_tokens(t, pad) if t.shape[:2] == (b, s) else t
-    columns = load_balanced_indices(s + pad, rank, size)
+    columns = load_balanced_indices(s + pad, rank, size).chunk(parts)[part]
     # Padding is a suffix of the sequence and the rank's second chunk comes later than its
-    # first, so the rank's real tokens come first in its local order.
+    # first, so the rank's real tokens come first in its local order (and in each slice).
     valid = int((columns < s).sum())
     columns = columns.to(input_ids.device)
     shard = {key: t[:, columns] if t.shape[:2] == (b, s + pad) else t for key, t in padded.items()}
@@ -146,22 +166,40 @@ class RingCore:
 
 
 class ContextParallel:
-    """One CP group: shards batches for its ranks (``shard``) and wires a decoder for them
-    (``apply``)."""
+    """One CP group, alone or composed with an SP group (2-D sequence parallelism): shards
+    batches for its ranks (``shard``) and wires a decoder for them (``apply``).
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    ``sp`` is this rank's SP group (None: CP alone) and ``rows`` the group of every CP x SP
+    rank sharing the same rows (objectives reduce whole-sequence sums over it); the CP
+    ``group`` then links the ranks holding the same SP slice, that is the same heads after
+    Ulysses' all-to-all."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        sp: dist.ProcessGroup | None = None,
+        rows: dist.ProcessGroup | None = None,
+    ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.sp = sp
+        self.sp_size = 1 if sp is None else dist.get_world_size(sp)
+        self.sp_rank = 0 if sp is None else dist.get_rank(sp)
+        if sp is not None and rows is None:
+            raise ValueError("ContextParallel with an SP group needs the CP x SP group (rows)")
+        self.rows = group if sp is None else rows
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's tokens of ``batch`` (see ``shard_batch``)."""
-        return shard_batch(batch, self.rank, self.size, self.group)
+        return shard_batch(batch, self.rank, self.size, self.rows, self.sp_rank, self.sp_size)
 
     def apply(self, model: nn.Module) -> None:
-        """Route every token mixer's sequence core through its CP form (``RingCore``). Runs on
-        the meta model, before any other wrapper; a mixer of another kind is refused."""
-        core = RingCore(self.group)
+        """Route every token mixer's sequence core through its CP form (``RingCore``), inside
+        Ulysses' all-to-alls (``UlyssesCore``) under CP x SP. Runs on the meta model, before
+        any other wrapper; a mixer of another kind is refused."""
+        ring = RingCore(self.group)
+        core = ring if self.sp is None else UlyssesCore(self.sp, inner=ring)
         for mixer in sequence_mixers(model):
             if type(mixer) not in CP_MIXERS:
                 raise ConfigError(
@@ -180,7 +218,6 @@ def check_context_parallel(config: Config, world_size: int) -> None:
     if p.cp == 1:
         return
     refusals = {
-        "parallelism.sp": (p.sp > 1, "CP x Ulysses SP (2-D sequence parallelism) is not built"),
         "objective.name": (
             config.objective.name not in ("causal_lm", "dpo"),
             f"only causal_lm and dpo train under CP so far, not {config.objective.name!r}",

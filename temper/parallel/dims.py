@@ -108,6 +108,9 @@ class ParallelDims:
             (self.dp_replicate, self.dp_shard, self.cp, self.sp),
             mesh_dim_names=("dp_replicate", "dp_shard", "cp", "sp"),
         )
+        if self.cp > 1 and self.sp > 1:
+            # The ranks sharing the same rows under CP x SP; objectives reduce over them.
+            flatten_mesh(world["cp", "sp"], "cp_sp")
         fsdp = init_device_mesh(
             device_type, (self.dp_replicate, self.fsdp), mesh_dim_names=("dp_replicate", "fsdp")
         )
@@ -130,7 +133,8 @@ class Meshes:
 
     world: DeviceMesh
     """``(dp_replicate, dp_shard, cp, sp)``: data shards are its first two dims, ``world["cp"]``
-    the context-parallel group, ``world["sp"]`` the sequence-parallel one."""
+    the context-parallel group, ``world["sp"]`` the sequence-parallel one; with both,
+    ``world["cp_sp"]`` (flattened) holds every rank of the same rows."""
     hsdp: DeviceMesh
     """``(dp_replicate, fsdp)`` with ``fsdp = dp_shard x cp x sp``: HSDP replicates over the
     first dim and shards over the second."""

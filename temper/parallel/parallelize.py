@@ -24,14 +24,21 @@ def parallelize_decoder(
     checkpointed forward, and FSDP wraps the result, keeping its hooks outside the compiled
     region. Expert parallelism comes first (experts sharded by expert over ``ep``), and its
     expert FSDP units wrap before the outer FSDP2, which then skips their parameters.
-    Sequence or context parallelism comes before all of them; its `SequenceParallel` or
-    `ContextParallel` is returned (None without either) for the trainer to shard batches with.
+    Sequence or context parallelism (or both: a `ContextParallel` holding the SP group) comes
+    before all of them; its `SequenceParallel` or `ContextParallel` is returned (None without
+    either) for the trainer to shard batches with.
     `dtype` bfloat16 makes FSDP gather bf16 weights (fp32 masters, fp32 gradient reduction).
     """
     sequence_parallel: SequenceParallel | ContextParallel | None = None
-    if meshes is not None and meshes.world["sp"].size() > 1:
+    cp, sp = (1, 1) if meshes is None else (meshes.world["cp"].size(), meshes.world["sp"].size())
+    if cp > 1 and sp > 1:
+        world = meshes.world
+        sequence_parallel = ContextParallel(
+            world["cp"].get_group(), world["sp"].get_group(), world["cp_sp"].get_group()
+        )
+    elif sp > 1:
         sequence_parallel = SequenceParallel(meshes.world["sp"].get_group())
-    elif meshes is not None and meshes.world["cp"].size() > 1:
+    elif cp > 1:
         sequence_parallel = ContextParallel(meshes.world["cp"].get_group())
     if sequence_parallel is not None:
         sequence_parallel.apply(model)

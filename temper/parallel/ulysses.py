@@ -37,6 +37,7 @@ from temper.data.batch import (
 )
 from temper.models.layers.context import (
     ForwardContext,
+    SequenceCore,
     SequenceMixer,
     local_core,
 )
@@ -130,13 +131,17 @@ class UlyssesCore:
     reverse all-to-all brings the output back. An input with fewer heads than ranks (GQA's
     keys and values) is repeated first, so each rank gets one copy of one head.
 
+    ``inner`` runs ``mix_heads`` on the gathered tokens: ``local_core`` when they are whole
+    sequences, context parallelism's ring (``RingCore``) when they are one CP rank's part.
+
     A KV cache means whole rows are being decoded (the decoder refuses slices with one): the
     mixer then runs on this rank alone."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, inner: SequenceCore = local_core) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.inner = inner
 
     def __call__(
         self,
@@ -151,7 +156,7 @@ class UlyssesCore:
             return mixer.mix_heads(q, k, v, ctx, *heads)
         q, k, v, *heads = (self._heads_to_ranks(t) for t in (q, k, v, *heads))
         ctx = dataclasses.replace(ctx, head_part=self.rank, head_parts=self.size)
-        out = mixer.mix_heads(q, k, v, ctx, *heads)
+        out = self.inner(mixer, q, k, v, ctx, *heads)
         return sequence_to_ranks(out, self.group, self.size)
 
     def _heads_to_ranks(self, x: torch.Tensor) -> torch.Tensor:

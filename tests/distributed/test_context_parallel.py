@@ -438,13 +438,12 @@ def _with(recipe: Callable[[], Config], **fields: object) -> Config:
 @pytest.mark.parametrize(
     ("config", "world", "message"),
     [
-        (_with(llama3_debug, parallelism__sp=2), 4, "cp = 2 with parallelism.sp: CP x Ulysses"),
         (_with(llama3_debug, compile__enable=True), 2, "cp = 2 with compile.enable"),
         (_with(grpo_debug), 2, "cp = 2 with objective.name: only causal_lm and dpo"),
         (_with(deepseek_v3_debug_mtp), 2, r"parallelism.cp > 1 with model.mtp_depth > 0"),
         (_with(deepseek_v32_debug), 2, "parallelism.cp = 2: DeepSeek sparse attention"),
     ],
-    ids=["sp", "compile", "grpo", "mtp", "dsa"],
+    ids=["compile", "grpo", "mtp", "dsa"],
 )
 def test_paths_not_built_are_refused_naming_parallelism_cp(
     config: Config, world: int, message: str
@@ -452,6 +451,5 @@ def test_paths_not_built_are_refused_naming_parallelism_cp(
     with pytest.raises(ConfigError, match=message):
         config.validate(world_size=world)
     config.parallelism.cp = 1
-    config.parallelism.sp = 1
     config.compile.enable = False
     config.validate(world_size=world)  # the same run without CP is valid

@@ -1,0 +1,155 @@
+"""Context parallelism composed with Ulysses SP (2-D sequence parallelism), against one
+process (gloo ranks, CPU).
+
+Under CP x SP each CP rank's load-balanced tokens are cut into SP slices; Ulysses'
+all-to-all gathers the CP rank's tokens for part of the heads and the ring passes those
+heads' K/V blocks (Gated DeltaNet: states) between the CP ranks holding the same part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_on_ranks
+from training import SINGLE, STEPS, Layout, assert_same_metrics, parity_config
+from training import train as train_layout
+
+from temper.data.batch import DOCUMENT_POSITIONS, SEQUENCE_SHARD
+from temper.parallel.context_parallel import shard_batch, unshard
+from temper.recipes.qwen3_5 import qwen3_5_moe_debug
+
+DOCUMENTS = (5, 9, 7)
+"""Packed documents of 21 tokens, padded to 24 at CP 2 x SP 2: 4 chunks of 6 tokens, each
+CP rank's 12 cut into two SP slices of 6; the documents start at 5 and 14, inside chunks."""
+
+
+def test_layout_cuts_each_cp_rank_into_sp_slices() -> None:
+    """At CP 2 x SP 2, 21 tokens are padded to 24 (a multiple of 2 x cp x sp), the SP slices
+    of a CP rank are its CP tokens cut in order, every slice keeps the whole sequence's
+    positions for the document mask, and its real tokens lead it (``valid_len``)."""
+    s, cp, sp = 21, 2, 2
+    ids = torch.arange(1, 2 * s + 1).view(2, s)
+    positions = torch.cat([torch.arange(n) for n in DOCUMENTS]).expand(2, s)
+    batch = {"input_ids": ids, "labels": ids + 100, "position_ids": positions}
+    cp_alone = [shard_batch(batch, r, cp) for r in range(cp)]
+    # The CP-alone layout at the 2-D padding (24 is already a multiple of 2 x cp x sp).
+    whole = unshard([shard["input_ids"] for shard in cp_alone])
+    assert torch.equal(whole[:, :s], ids)
+    for r in range(cp):
+        slices = [shard_batch(batch, r, cp, None, part, sp) for part in range(sp)]
+        joined = torch.cat([piece["input_ids"] for piece in slices], dim=1)
+        assert torch.equal(joined, cp_alone[r]["input_ids"])
+        for piece in slices:
+            info = piece[SEQUENCE_SHARD]
+            assert info.seq_len == 24
+            assert torch.equal(piece[DOCUMENT_POSITIONS], cp_alone[r][DOCUMENT_POSITIONS])
+            assert (piece["input_ids"][:, : info.valid_len] != 0).all()
+            assert (piece["input_ids"][:, info.valid_len :] == 0).all()
+    # Rank 1's tokens are chunks 1 and 2 (columns 6-17): all real, 6 per slice; the padding
+    # (columns 21-23) is the end of rank 0's second chunk, its second slice's last 3 tokens.
+    valid = [shard_batch(batch, 0, cp, None, part, sp)[SEQUENCE_SHARD].valid_len for part in (0, 1)]
+    assert valid == [6, 3]
+
+
+FAMILIES = ("llama3", "qwen3_5_moe")
+"""A dense family (GQA softmax attention) and the hybrid (Gated DeltaNet, gated attention,
+MoE with routing statistics over real tokens)."""
+
+
+def test_families_at_cp2_sp2_give_one_process_logits_loss_and_gradients() -> None:
+    """Each family's debug model wired for CP 2 x SP 2 (4 ranks) on packed rows of 21 tokens
+    (documents of 5, 9 and 7 crossing the 6-token chunks; padded to 24): the real tokens'
+    logits, the loss (with the MoE load-balancing term) and every parameter's gradient
+    (summed over the ranks, as FSDP's reduce-scatter does) equal one process's on the
+    unpadded rows within 1e-5."""
+    for family, (got, want) in zip(FAMILIES, run_on_ranks(_family_rank, 4)[0], strict=True):
+        torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), family
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, grad in got["grads"].items():
+            scale = want["grads"][name].abs().max().item()
+            torch.testing.assert_close(
+                grad, want["grads"][name], rtol=1e-5, atol=1e-5 * scale, msg=f"{family} {name}"
+            )
+
+
+def _family_rank() -> list[tuple[dict[str, object], dict[str, object]]] | None:
+    from temper.config import Parallelism
+    from temper.models import build_model, materialize
+    from temper.objectives import CausalLM
+    from temper.objectives.causal_lm import documents
+    from temper.parallel.context_parallel import ContextParallel
+    from temper.parallel.dims import ParallelDims
+    from temper.parallel.ulysses import whole_sequences
+    from temper.utils.device import init_runtime
+
+    init_runtime()
+    dims = ParallelDims.from_config(Parallelism(cp=2, sp=2), 4, dist.get_rank())
+    world = dims.build_meshes("cpu").world
+    rows_group = world["cp_sp"].get_group()
+    layout = ContextParallel(world["cp"].get_group(), world["sp"].get_group(), rows_group)
+    s = sum(DOCUMENTS)
+    ids = torch.randint(1, 1000, (2, s), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in DOCUMENTS]).expand(2, s)
+    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1), "position_ids": positions}
+    shard = layout.shard(batch)
+
+    def run(model: torch.nn.Module, rows: dict[str, object], split: bool) -> dict[str, object]:
+        """Loss, gradients and logits; ``split``: the rows are this rank's CP x SP part."""
+        model.zero_grad(set_to_none=True)
+        loss, _, _ = CausalLM().loss(model, rows)
+        loss.backward()
+        with torch.no_grad():
+            args = (rows["input_ids"], rows["position_ids"], documents(rows))
+            logits = model(*args, shard=rows.get(SEQUENCE_SHARD))
+        grads = {}
+        for name, p in model.named_parameters():
+            grads[name] = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+            if split:
+                dist.all_reduce(grads[name])
+        if split:
+            dist.all_reduce(loss)
+            logits = _gather_2d(logits, rows_group, layout.sp_size)[:, :s]
+        return {"logits": logits, "loss": loss.item(), "grads": grads}
+
+    results = []
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        model = build_model(family, "debug")
+        layout.apply(model)
+        model = materialize(model, "cpu")
+        with whole_sequences(model):  # the same weights on one rank's whole rows
+            want = run(model, batch, split=False)
+        results.append((run(model, shard, split=True), want))
+    return results if dist.get_rank() == 0 else None
+
+
+def _gather_2d(x: torch.Tensor, rows_group: dist.ProcessGroup, sp: int) -> torch.Tensor:
+    """Whole sequences from every CP x SP rank's slice (ranks of ``rows_group`` in (cp, sp)
+    row-major order): each CP rank's SP slices joined in order, then the CP layout undone."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(rows_group))]
+    dist.all_gather(parts, x.contiguous(), group=rows_group)
+    per_cp = [torch.cat(parts[i : i + sp], dim=1) for i in range(0, len(parts), sp)]
+    return unshard(per_cp)
+
+
+CP2_SP2_EP2 = Layout("cp2_sp2_ep2", world=4, local_batch=4, parallelism={"cp": 2, "sp": 2, "ep": 2})
+
+
+def test_qwen3_5_moe_trains_at_cp2_sp2_ep2_like_one_process(tmp_path: Path) -> None:
+    """#38's done-when: qwen3_5_moe_debug (Gated DeltaNet, gated attention, MoE) through the
+    trainer at CP 2 x SP 2 x EP 2 (4 ranks: one CP x SP group, which is also the FSDP group,
+    with the experts split over 2 of its ranks) on packed 30-token rows (documents cross the
+    chunks; padded to 32, 8 tokens a rank): every step's loss and gradient norm within 1e-5
+    of one process accumulating the same global batch."""
+    runs = {}
+    for layout in (SINGLE, CP2_SP2_EP2):
+        config = parity_config(qwen3_5_moe_debug, tmp_path, layout)
+        config.training.seq_len = 30
+        config.data.isolate_documents = True
+        runs[layout.name] = train_layout(config, layout)
+    assert len(runs[CP2_SP2_EP2.name].rows) == STEPS
+    assert_same_metrics(runs[CP2_SP2_EP2.name].rows, runs["single"].rows)
