@@ -25,9 +25,12 @@ from temper.kernels.dispatch import Impl, unavailable
 from temper.kernels.moe_permute import permute, unpermute
 from temper.kernels.norm import rms_norm
 from temper.kernels.rope import apply_rope
+from temper.kernels.sparse_attention import sparse_attention
 from temper.kernels.swiglu import swiglu
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 
+SPARSE_TOPK = 256
+"""Keys per query of the sparse attention row (rows of 1024 tokens on CPU, 2048 on CUDA)."""
 # tokens, dim, ffn hidden, heads, head_dim, vocab, experts, top_k
 SHAPES = {
     "cpu": (4096, 512, 1536, 8, 64, 32000, 16, 2),
@@ -58,6 +61,13 @@ def ops(
     rows, weights = leaf(tokens * top_k, dim), leaf(tokens, top_k)
     hidden, head = leaf(tokens, dim), leaf(vocab, dim, scale=0.02)
     labels = torch.randint(0, vocab, (tokens,), device=device)
+    # DeepSeek sparse attention's core: each query's SPARSE_TOPK keys of random scores among
+    # its causal prefix, q's shape for q, k and v.
+    k, v = leaf(*q.shape), leaf(*q.shape)
+    causal = torch.ones(tokens // 4, tokens // 4, dtype=torch.bool, device=device).tril()
+    scores = torch.rand(4, tokens // 4, tokens // 4, device=device).masked_fill(~causal, -1.0)
+    best = scores.topk(SPARSE_TOPK, dim=-1).indices
+    selected = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, best, True) & causal
 
     def loss(chunk: int) -> Callable[[Impl], Callable[[], None]]:
         def step(impl: Impl) -> Callable[[], None]:
@@ -78,6 +88,9 @@ def ops(
         "rope": lambda impl: lambda: backward(apply_rope(q, cos, sin, impl)),
         "moe_permute": lambda impl: lambda: backward(permute(x, order, top_k, impl)),
         "moe_unpermute": lambda impl: lambda: backward(unpermute(rows, order, weights, impl)),
+        f"sparse_attention (top {SPARSE_TOPK})": lambda impl: (
+            lambda: backward(sparse_attention(q, k, v, selected, head_dim**-0.5, impl))
+        ),
         **{f"loss (full logits -> fused, chunk {c})": loss(c) for c in loss_chunks},
     }
 

@@ -42,8 +42,9 @@ import torch
 from torch import nn
 
 from bench.train_step import _peak_rss_gib, _reset_peak, _rss_gib
-from temper.kernels.dispatch import REFERENCE, Kernels, configure_kernels, implementation
+from temper.kernels.dispatch import REFERENCE, Kernels, resolve_kernels
 from temper.models import load_hf
+from temper.models.layers.context import ForwardContext
 from temper.models.qwen3_moe.args import FLAVORS
 
 
@@ -79,8 +80,8 @@ CPU = torch.device("cpu")
 
 def temper_default() -> str:
     """The TEMPER entry whose MoE ops a training run's default ``Kernels()`` resolves to."""
-    configure_kernels(Kernels(), CPU)
-    resolved = {op: implementation(op, CPU) for op in MOE_OPS}
+    default = resolve_kernels(Kernels(), CPU)
+    resolved = {op: getattr(default, op) for op in MOE_OPS}
     for name, kernels in TEMPER.items():
         if all(getattr(kernels, op) == impl for op, impl in resolved.items()):
             return name
@@ -128,6 +129,19 @@ def build_pair(shape: Shape) -> tuple[nn.Module, nn.Module, nn.Module]:
     return ours.layers[0].feed_forward.train(), hf_model.model.layers[0].mlp.train(), hf_model
 
 
+class WithKernels(nn.Module):
+    """Temper's MoE layer run with ``kernels`` in its forward context, as a decoder runs it."""
+
+    def __init__(self, moe: nn.Module, kernels: Kernels) -> None:
+        super().__init__()
+        self.moe = moe
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        no_rotary = x.new_empty(0)
+        return self.moe(x, ForwardContext(no_rotary, no_rotary, kernels=self.kernels))
+
+
 @dataclass(frozen=True)
 class Impl:
     """One implementation: ``select`` switches ``layer`` to it (untimed, before each step)."""
@@ -160,7 +174,7 @@ def implementations(shape: Shape, tokens: int) -> dict[str, Impl]:
     x = torch.randn(1, tokens, shape.dim, generator=gen).requires_grad_()
     cotangent = torch.randn(1, tokens, shape.dim, generator=gen)
     impls = {
-        name: Impl(lambda k=kernels: configure_kernels(k, CPU), ours, x, cotangent)
+        name: Impl(lambda: None, WithKernels(ours, kernels), x, cotangent)
         for name, kernels in TEMPER.items()
     }
     for name in ("eager", "grouped_mm"):

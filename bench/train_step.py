@@ -7,10 +7,10 @@
 For each case one random HF model is saved to a temp folder; Temper loads it with
 `load_hf`, `transformers` with `from_pretrained`, so both train from the same
 weights on the same batch with the same fused AdamW (bf16 runs use autocast on both
-sides, fp32 master weights). Temper trains as its trainer does: `configure_kernels` (the
-every op compiled on CPU, the dispatcher's auto choices (Triton) on CUDA, or the references
-with `--kernels reference`) and the
-`CausalLM` objective, so its loss is the fused linear cross-entropy. `transformers`
+sides, fp32 master weights). Temper trains as its trainer does: its model and its
+`CausalLM` objective take the same resolved `Kernels` (every op compiled on CPU, the
+dispatcher's auto choices (Triton) on CUDA, or the references with `--kernels reference`),
+so its loss is the fused linear cross-entropy. `transformers`
 computes full logits and `cross_entropy` on them, as its own loss does (plus the
 router's aux loss for MoE). Each side runs in a fresh process so its peak memory is
 its own: on CPU the peak resident set during the timed steps minus the resident set
@@ -204,7 +204,7 @@ def measure(
     dev = torch.device(device)
     rss_before = _rss_gib()
     if side == "temper":
-        from temper.kernels.dispatch import OPS, REFERENCE, Kernels, configure_kernels
+        from temper.kernels.dispatch import OPS, REFERENCE, Kernels, resolve_kernels
         from temper.models import load_hf
         from temper.objectives import CausalLM
 
@@ -213,13 +213,14 @@ def measure(
             "compile": Kernels(**dict.fromkeys(OPS, "compile")),
             "reference": REFERENCE,
         }
-        configure_kernels(choices[kernels], dev)
+        run_kernels = resolve_kernels(choices[kernels], dev)
         model = load_hf(folder, device=dev)
+        model.use_kernels(run_kernels)
         if compile_blocks:
             from temper.parallel.compile import apply_compile
 
             apply_compile(model.layers)
-        objective = CausalLM()
+        objective = CausalLM(kernels=run_kernels)
         vocab = model.args.vocab_size
 
         def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

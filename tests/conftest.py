@@ -1,22 +1,16 @@
-"""Every test starts from the library's default kernels: the references and full logits.
-
-A Trainer configures its kernels process-wide (``configure_kernels``); without this reset a
-test would inherit the choices of whichever Trainer test ran before it.
-"""
+"""The suite's folder order and the fixtures shared by every folder."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 import pytest
 import tokenizers
-import torch
 
 import temper.engine  # noqa: F401  (registers every built-in config rule and objective)
-from temper.kernels.dispatch import REFERENCE, configure_kernels
 
 SUITE_ORDER = ("unit", "distributed", "integration")
 """Folders in the order their tests run: the fast unit tests first (a broken import shows in
@@ -30,12 +24,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return SUITE_ORDER.index(parts[0]) if parts[0] in SUITE_ORDER else len(SUITE_ORDER)
 
     items.sort(key=folder_rank)  # stable: the order within a folder stays pytest's
-
-
-@pytest.fixture(autouse=True)
-def reference_kernels() -> Iterator[None]:
-    yield
-    configure_kernels(REFERENCE, torch.device("cpu"))
 
 
 def write_qwen_tokenizer(path: Path, chat_template: str) -> int:

@@ -22,7 +22,7 @@ from temper.data.batch import Batch
 from temper.data.formats import image_paths, is_image_data
 from temper.data.tokenizer import Tokenizer, builtin_tokenizer_path, load_tokenizer
 from temper.engine.checkpointing import Stateful, TrainCheckpointer, load_model_weights
-from temper.kernels.dispatch import configure_kernels
+from temper.kernels.dispatch import resolve_kernels
 from temper.models import build_hf_model, build_model, materialize
 from temper.models.freeze import freeze_parts
 from temper.models.hf import hf_module_names, hf_named_tensors
@@ -71,7 +71,9 @@ class Engine:
         self.device = self.runtime.device
         self.dtype = resolve_dtype(config.training.dtype, self.device)
         seed_everything(config.training.seed, config.training.deterministic)
-        configure_kernels(config.kernels, self.device)
+        self.kernels = resolve_kernels(config.kernels, self.device)
+        """This run's kernel choices, resolved for its device once (fallback notices print
+        here); the model runs them (``use_kernels``), the objective takes the config's."""
 
         self.tokenizer: Tokenizer = load_run_tokenizer(config)
         model = build_run_model(config, self.tokenizer)
@@ -91,6 +93,7 @@ class Engine:
             load_model_weights(self.model, config.checkpoint.initial_load)
         finish_model(self.model, config)
         self.model.attn_backend = config.model.attn
+        self.model.use_kernels(self.kernels)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self._offload = OptimizerOffload(self.optimizer)
         self.lr_scheduler = build_lr_scheduler(
@@ -206,6 +209,7 @@ class Engine:
         if config.checkpoint.initial_load is not None:
             load_model_weights(reference, config.checkpoint.initial_load)
         reference.attn_backend = config.model.attn
+        reference.use_kernels(self.kernels)
         reference.requires_grad_(False)
         return reference.eval()
 

@@ -5,7 +5,7 @@
 """
 
 from temper.kernels.cross_entropy import linear_cross_entropy, linear_log_probs
-from temper.kernels.dispatch import Kernels, configure_kernels
+from temper.kernels.dispatch import Kernels, resolve_kernels
 from temper.kernels.grouped_gemm import grouped_mm
 
-__all__ = ["Kernels", "configure_kernels", "grouped_mm", "linear_cross_entropy", "linear_log_probs"]
+__all__ = ["Kernels", "resolve_kernels", "grouped_mm", "linear_cross_entropy", "linear_log_probs"]

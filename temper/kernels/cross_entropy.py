@@ -95,7 +95,8 @@ def linear_log_probs(
     hidden [..., dim], weight [vocab, dim], labels [...] -> (log_probs, lse), both fp32 [...].
     Under autocast both operands are cast to its dtype here, so the forward and the
     recomputing backward (which runs outside autocast) multiply in the same precision.
-    ``impl`` pins the per-chunk implementation. ``entropy``: a contiguous fp32 tensor shaped
+    ``impl`` is the per-chunk implementation asked for (None: the reference).
+    ``entropy``: a contiguous fp32 tensor shaped
     like ``labels`` that the forward fills with each position's `logits_entropy` (no
     gradient flows through it).
     """

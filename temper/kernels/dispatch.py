@@ -6,18 +6,19 @@ backward, so it also saves fewer activations) and a ``triton`` form with hand-wr
 and backward kernels (CUDA only). ``auto`` picks triton on CUDA when Triton is installed and the
 reference anywhere else. On CPU ``compile`` is faster per step (docs/kernels.md) but costs
 seconds of compilation per op and shape in every new process, which dominates short runs and
-tests, so it is asked for by name. A choice
-that cannot run on the device falls back to the reference with a one-line notice.
+tests, so it is asked for by name. A choice that cannot run on the device falls back to the
+reference with a one-line notice.
 
-Until ``configure_kernels`` is called, every op runs its reference and the loss uses full
-logits: a library user or a test gets the plain math; a training run configures ``Kernels``.
-The loss does not depend on that process-wide choice when given its own: an objective built
-from a run's config carries that run's ``Kernels`` (``implementation(op, device, kernels)``),
-so two runs in one process may differ there.
+There is no process-wide choice: each call names its own (``impl``; None is the reference).
+An Engine resolves its run's ``Kernels`` for its device once (``resolve_kernels``, where the
+notices print) and hands them to its model (``use_kernels``), whose forward context carries
+them to the layers; an objective carries its run's ``Kernels`` for the loss. A model or loss
+nobody configured runs every reference, so two runs in one process never see each other's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -36,43 +37,33 @@ R = TypeVar("R")
 
 
 REFERENCE = Kernels(fused_cross_entropy=False, **dict.fromkeys(OPS, "reference"))
-"""Every op's plain-PyTorch reference and full logits: the state before configure_kernels."""
-
-_settings = REFERENCE
-_resolved: dict[tuple[Op, Impl, str], Impl] = {}
-"""(op, choice, device type) -> what runs, so a fallback notice prints once per
-configuration."""
+"""Every op's plain-PyTorch reference and full logits: what an unconfigured model runs."""
 
 
-def configure_kernels(kernels: Kernels, device: torch.device) -> None:
-    """Make ``kernels`` the process-wide choice and resolve it for ``device`` now, so any
-    fallback notice prints once at start-up rather than mid-step."""
-    global _settings
-    _settings = kernels
-    _resolved.clear()
-    for op in OPS:
-        implementation(op, device)
+def resolve_kernels(kernels: Kernels, device: torch.device) -> Kernels:
+    """``kernels`` with each op's choice replaced by what runs on ``device``: ``auto`` picked,
+    an unavailable choice the reference (a one-line notice each). An Engine calls it once at
+    start-up, so notices print then rather than mid-step."""
+    ops = {op: _resolve(op, getattr(kernels, op), device) for op in OPS}
+    return dataclasses.replace(kernels, **ops)
 
 
-def kernel_settings() -> Kernels:
-    """The process-wide choices (``REFERENCE`` until ``configure_kernels``)."""
-    return _settings
-
-
-def implementation(op: Op, device: torch.device, kernels: Kernels | None = None) -> Impl:
-    """The concrete implementation of ``op`` for tensors on ``device`` under ``kernels``
-    (None: the process-wide choices).
+def implementation(op: Op, device: torch.device, impl: Impl | None) -> Impl:
+    """The concrete implementation of ``op`` for tensors on ``device`` when ``impl`` is asked
+    for (None: the reference). A choice not resolved beforehand is resolved here, its notice
+    printed once per process.
 
     Inside a compiled region the reference runs: the surrounding compile fuses it anyway, and
     a nested compiled or Triton call would only break its graph.
     """
-    if torch.compiler.is_compiling():
+    if impl is None or torch.compiler.is_compiling():
         return "reference"
-    choice: Impl = getattr(kernels or _settings, op)
-    key = (op, choice, device.type)
-    if key not in _resolved:
-        _resolved[key] = _resolve(op, choice, device)
-    return _resolved[key]
+    return _resolve_once(op, impl, device.type)
+
+
+@functools.cache
+def _resolve_once(op: Op, choice: Impl, device_type: str) -> Impl:
+    return _resolve(op, choice, torch.device(device_type))
 
 
 def _resolve(op: Op, choice: Impl, device: torch.device) -> Impl:
@@ -119,10 +110,10 @@ def choose(
     reference: Callable[P, R],
     triton: Callable[[], Callable[P, R]],
 ) -> Callable[P, R]:
-    """The function that runs ``op``: ``impl`` when given (tests pin one), else the resolved
-    choice. ``triton`` loads the Triton form on demand, so Triton is imported only when used."""
-    if impl in (None, "auto"):
-        impl = implementation(op, device)
+    """The function that runs ``op`` when ``impl`` is asked for (None: the reference), as
+    ``implementation`` resolves it. ``triton`` loads the Triton form on demand, so Triton is
+    imported only when used."""
+    impl = implementation(op, device, impl)
     if impl == "compile":
         return compiled(reference)
     if impl == "triton":

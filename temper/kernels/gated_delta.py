@@ -126,7 +126,8 @@ def gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     impl: Impl | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked rule through the dispatcher (``kernels.gated_delta``); ``impl`` pins one."""
+    """The chunked rule through the dispatcher (``kernels.gated_delta``); ``impl`` is the
+    form asked for (None: the reference)."""
     rule = choose("gated_delta", q.device, impl, chunk_gated_delta_rule, _fla)
     return rule(q, k, v, g, beta, initial_state)
 

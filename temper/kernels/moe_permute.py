@@ -47,7 +47,8 @@ def unpermute_reference(
 def permute(
     x: torch.Tensor, order: torch.Tensor, top_k: int, impl: Impl | None = None
 ) -> torch.Tensor:
-    """``permute_reference`` through the dispatcher; ``impl`` pins one form."""
+    """``permute_reference`` through the dispatcher; ``impl`` is the form asked for (None:
+    the reference)."""
     return choose("moe_permute", x.device, impl, permute_reference, _triton_permute)(
         x, order, top_k
     )
@@ -57,7 +58,7 @@ def unpermute(
     y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, impl: Impl | None = None
 ) -> torch.Tensor:
     """``unpermute_reference`` through the dispatcher: rows [n * k, dim] and weights [n, k]
-    -> [n, dim]; ``impl`` pins one form."""
+    -> [n, dim]; ``impl`` is the form asked for (None: the reference)."""
     return choose("moe_permute", y.device, impl, unpermute_reference, _triton_unpermute)(
         y, order, weights
     )

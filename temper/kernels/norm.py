@@ -20,7 +20,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl | None = None
 ) -> torch.Tensor:
-    """RMSNorm over the last dim of x [..., dim] with weight [dim]; ``impl`` pins one form."""
+    """RMSNorm over the last dim of x [..., dim] with weight [dim]; ``impl`` is the form
+    asked for (None: the reference)."""
     return choose("rmsnorm", x.device, impl, rms_norm_reference, _triton)(x, weight, eps)
 
 

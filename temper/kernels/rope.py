@@ -21,7 +21,8 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: Impl | None = None
 ) -> torch.Tensor:
-    """``apply_rope_reference`` through the dispatcher; ``impl`` pins one form."""
+    """``apply_rope_reference`` through the dispatcher; ``impl`` is the form asked for
+    (None: the reference)."""
     return choose("rope", x.device, impl, apply_rope_reference, _triton)(x, cos, sin)
 
 

@@ -15,8 +15,9 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: Impl | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for same-shaped tensors; ``impl`` pins one form. The fused forms keep
-    only gate and up for backward (the reference also keeps ``silu(gate)``)."""
+    """``silu(gate) * up`` for same-shaped tensors; ``impl`` is the form asked for (None: the
+    reference). The fused forms keep only gate and up for backward (the reference also keeps
+    ``silu(gate)``)."""
     return choose("swiglu", gate.device, impl, swiglu_reference, _triton)(gate, up)
 
 

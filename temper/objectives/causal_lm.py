@@ -4,7 +4,8 @@ With ``kernels.fused_cross_entropy`` (``temper.kernels.dispatch``) the LM head a
 in chunks of tokens from the model's ``hidden_states`` and ``output.weight``, so the full
 [tokens, vocab] logits never exist; otherwise from full logits. Both give the same numbers.
 An objective built from a run's config takes that run's ``Kernels`` (and passes the chunk to
-the model's multi-token prediction); one built without them reads the process-wide choices.
+the model's multi-token prediction); one built without them runs the references on full logits
+(``temper.kernels.dispatch.REFERENCE``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from temper.kernels.cross_entropy import (
     log_probs_from_logits,
     logits_entropy,
 )
-from temper.kernels.dispatch import implementation, kernel_settings
+from temper.kernels.dispatch import REFERENCE
 from temper.models.protocols import MultiTokenPredictor, RoutedModel
 from temper.objectives.model_terms import indexer_term
 from temper.objectives.registry import Metrics, Objective, register_objective
@@ -77,8 +78,8 @@ class CausalLM:
     def __init__(
         self, settings: CausalLMConfig | None = None, kernels: Kernels | None = None
     ) -> None:
-        """``settings`` None: the defaults (no z-loss); ``kernels`` None: the process-wide
-        choices (``temper.kernels.dispatch``)."""
+        """``settings`` None: the defaults (no z-loss); ``kernels`` None: the references on
+        full logits (``temper.kernels.dispatch.REFERENCE``)."""
         self.settings = settings or CausalLMConfig()
         self.kernels = kernels
 
@@ -90,7 +91,7 @@ class CausalLM:
         args = (batch["input_ids"], batch.get("position_ids"), documents(batch))
         shard = batch.get(SEQUENCE_SHARD)
         media = model_inputs(batch)  # a vision-language batch's images and positions
-        kernels = self.kernels or kernel_settings()
+        kernels = self.kernels or REFERENCE
         if kernels.fused_cross_entropy and _weight_only_head(model):
             hidden = model.hidden_states(*args, shard=shard, **media)
             loss_sum, z_sum = linear_cross_entropy(
@@ -99,7 +100,7 @@ class CausalLM:
                 labels,
                 z_weight,
                 kernels.chunk_tokens(hidden.device),
-                implementation("cross_entropy", hidden.device, kernels),
+                kernels.cross_entropy,
             )
         else:
             log_probs, lse = log_probs_from_logits(model(*args, shard=shard, **media), labels)
@@ -144,14 +145,13 @@ def label_log_probs(
     `CausalLM`; from full logits otherwise. ``shard``: the rows are a sequence-parallel
     slice. ``entropy``: an fp32 tensor shaped like ``labels`` filled with each position's
     entropy at ``temperature`` from the same logits (no gradient): no forward of its own.
-    ``kernels``: the run's choices (None: the process-wide ones)."""
-    kernels = kernels or kernel_settings()
+    ``kernels``: the run's choices (None: the references on full logits)."""
+    kernels = kernels or REFERENCE
     if kernels.fused_cross_entropy and _weight_only_head(model):
         hidden = model.hidden_states(input_ids, position_ids, document_mask, shard=shard)
         hidden = hidden / temperature
         chunk = kernels.chunk_tokens(hidden.device)
-        impl = implementation("cross_entropy", hidden.device, kernels)
-        weight = model.output.weight
+        weight, impl = model.output.weight, kernels.cross_entropy
         return linear_log_probs(hidden, weight, labels, chunk, impl, entropy=entropy)[0]
     logits = model(input_ids, position_ids, document_mask, shard=shard) / temperature
     if entropy is not None:

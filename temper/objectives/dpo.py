@@ -195,7 +195,8 @@ class DPO:
         reference_mode: ReferenceMode | None = None,
         kernels: Kernels | None = None,
     ) -> None:
-        """``kernels``: the run's choices for the head (None: the process-wide ones)."""
+        """``kernels``: the run's choices for the head (None: the references, full
+        logits)."""
         needed = 0 if settings.loss_type in REFERENCE_FREE else 1
         if (reference is not None) + (reference_mode is not None) != needed:
             wanted = "exactly one of a reference model or a reference mode" if needed else "none"

@@ -223,7 +223,8 @@ class GRPO:
     ) -> None:
         """``settings`` whole (its rollout fields go to the sampler as they are); the KL term
         needs the frozen ``reference`` or the policy's ``reference_mode`` (LoRA: adapters
-        off); ``kernels``: the run's choices for the head (None: the process-wide ones)."""
+        off); ``kernels``: the run's choices for the head (None: the references,
+        full logits)."""
         if settings.kl_coef and (reference is None) == (reference_mode is None):
             raise ValueError(
                 "objective.kl_coef > 0 takes exactly one of a reference model or a reference mode"

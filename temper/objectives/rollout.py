@@ -219,8 +219,8 @@ class RolloutSampler:
         recompute_old: bool = False,
         kernels: Kernels | None = None,
     ) -> None:
-        """``kernels``: the run's choices for the head's log-probs (None: the process-wide
-        ones)."""
+        """``kernels``: the run's choices for the head's log-probs (None: the references,
+        full logits)."""
         self.settings = settings
         self.kernels = kernels
         self.tokenizer = tokenizer

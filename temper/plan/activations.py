@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from temper.config import Config
-from temper.kernels.dispatch import configure_kernels
+from temper.kernels.dispatch import Kernels, resolve_kernels
 from temper.models.layers.moe import moe_layers
 from temper.objectives import Objective
 from temper.parallel.activation_checkpoint import SAVED_OPS
@@ -324,6 +324,12 @@ class _Measure:
                 handle.remove()
 
 
+def planned_kernels(kernels: Kernels, device: str) -> Kernels:
+    """``kernels`` with the fused loss's chunk of the planned ``device``, not that of meta,
+    where the dry run measures: what the measured objective takes."""
+    return replace(kernels, cross_entropy_chunk=kernels.chunk_tokens(torch.device(device)))
+
+
 def measure_activations(
     config: Config,
     model: nn.Module,
@@ -340,9 +346,7 @@ def measure_activations(
     ``ep_imbalance`` the experts sit behind an expert-parallel dispatch whose rank receives
     that many times the rows it sends (``_Measure.dispatch``); with ``sp`` attention runs on
     Ulysses' shapes (``_Measure.attention``)."""
-    # The fused loss's chunk of the planned device, not meta's.
-    chunk = config.kernels.chunk_tokens(torch.device(device))
-    configure_kernels(replace(config.kernels, cross_entropy_chunk=chunk), torch.device("meta"))
+    model.use_kernels(resolve_kernels(config.kernels, torch.device("meta")))
     model.attn_backend = "sdpa"
     rows, length = tokens
     ids = torch.zeros(rows, length, dtype=torch.long, device="meta")

@@ -16,7 +16,7 @@ from temper.models.layers.moe import moe_layers
 from temper.objectives import CausalLM
 from temper.parallel.dims import ParallelDims
 from temper.parallel.parallelize import parallelize_decoder
-from temper.plan.activations import Activations, measure_activations
+from temper.plan.activations import Activations, measure_activations, planned_kernels
 from temper.plan.layout import (
     StateBytes,
     Unit,
@@ -132,7 +132,13 @@ def plan_run(
         unsharded = unsharded.to(dtype)
     imbalance = ep_imbalance if dims.ep > 1 else None
     plan.activations = measure_activations(
-        config, unsharded, CausalLM(), plan.tokens, device, imbalance, dims.sp
+        config,
+        unsharded,
+        CausalLM(kernels=planned_kernels(config.kernels, device)),
+        plan.tokens,
+        device,
+        imbalance,
+        dims.sp,
     )
     block_grads = _block_param_bytes(unsharded, dims.fsdp)
     shards = list(params.values())

@@ -185,7 +185,7 @@ def test_lora_default_targets_adapt_the_linear_attention_projections(family: str
 
 def test_dispatcher_runs_the_reference_on_cpu() -> None:
     q, k, v, g, beta, state = (t.float() for t in _rule_inputs(1, 70, 2, 8, 4, 1.0))
-    assert dispatch.implementation("gated_delta", torch.device("cpu")) == "reference"
+    assert dispatch.implementation("gated_delta", torch.device("cpu"), "auto") == "reference"
     out, final = gated_delta_rule(q, k, v, g, beta, state)
     want, want_final = chunk_gated_delta_rule(q, k, v, g, beta, state)
     assert torch.equal(out, want) and torch.equal(final, want_final)

@@ -1,45 +1,81 @@
-"""Kernel choices travel with the objective a run's config builds, not with the process: two
-runs' objectives in one process each compute their loss the way their own config says,
-whatever the process-wide choice (the last Engine's) is."""
+"""Kernel choices belong to a run, not to the process: each Engine resolves its own and hands
+them to its model, each objective built from a config carries that config's, and two runs in
+one process each compute the way their own config says."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from test_kernels import _packed_batch, _tiny_moe
 
-from temper.config import Config, Kernels
+from temper.config import Config, Job, Kernels, Metrics, Model, Training
+from temper.engine import Engine
 from temper.kernels import dispatch
-from temper.kernels.dispatch import REFERENCE, configure_kernels
 from temper.objectives import build_objective
 from temper.objectives import causal_lm as causal_lm_module
 from temper.objectives.causal_lm import label_log_probs
+from temper.utils.device import Runtime
+
+CPU = Runtime(device=torch.device("cpu"), rank=0, local_rank=0, world_size=1)
 
 
-@pytest.fixture
-def restore_kernels() -> Iterator[None]:
-    yield
-    configure_kernels(REFERENCE, torch.device("cpu"))
-
-
-def _run_config(kernels: Kernels) -> Config:
-    config = Config()
-    config.kernels = kernels
+def _run_config(kernels: Kernels, folder: Path | None = None) -> Config:
+    config = Config(kernels=kernels, metrics=Metrics(tensorboard=False))
+    if folder is not None:
+        config.job = Job(dump_folder=str(folder))
+        config.model = Model(name="qwen3", flavor="debug")
+        config.training = Training(steps=1, seq_len=16, local_batch_size=2)
     return config
 
 
-def test_two_runs_kernel_choices_coexist_in_one_process(
-    restore_kernels: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _recording(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the references that ``compile`` wraps from now on (recorded, not compiled)."""
     compiled: list[str] = []
 
-    def record(fn: Callable[..., Any]) -> Callable[..., Any]:  # "compile" without compiling
+    def record(fn: Callable[..., Any]) -> Callable[..., Any]:
         compiled.append(fn.__name__)
         return fn
 
+    monkeypatch.setattr(dispatch, "compiled", record)
+    return compiled
+
+
+def test_two_engines_models_keep_their_own_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One Engine asks for the references, a later one compiles its layers' ops and asks for
+    Triton RMSNorm, which falls back on CPU with its notice at start-up; each model's forward
+    runs its own choices, whichever Engine was built last, and both give the same logits."""
+    compiled = _recording(monkeypatch)
+    plain = Engine(_run_config(Kernels(rmsnorm="reference"), tmp_path / "a"), CPU)
+    assert capsys.readouterr().err == ""
+    ops = dict.fromkeys(("swiglu", "rope"), "compile")
+    fused = Engine(_run_config(Kernels(rmsnorm="triton", **ops), tmp_path / "b"), CPU)
+    assert capsys.readouterr().err.strip() == (
+        "temper: kernels.rmsnorm=triton cannot run (Triton kernels run on CUDA, this is cpu); "
+        "using reference"
+    )
+    assert fused.kernels.rmsnorm == "reference" and fused.kernels.swiglu == "compile"
+    fused.model.load_state_dict(plain.model.state_dict())
+
+    ids = torch.randint(0, 600, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits, seen = [], []
+    with torch.no_grad():
+        for engine in (fused, plain, fused):
+            compiled.clear()
+            logits.append(engine.model(ids))
+            seen.append(set(compiled))
+    assert seen == [{"swiglu_reference", "apply_rope_reference"}, set(), seen[0]]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-6)
+    assert capsys.readouterr().err == ""
+
+
+def test_two_runs_objectives_keep_their_own_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = _recording(monkeypatch)
     fused: list[tuple[int, str | None]] = []
     chunked = causal_lm_module.linear_cross_entropy
 
@@ -47,14 +83,12 @@ def test_two_runs_kernel_choices_coexist_in_one_process(
         fused.append((args[4], args[5]))  # chunk_tokens, impl
         return chunked(*args)
 
-    monkeypatch.setattr(dispatch, "compiled", record)
     monkeypatch.setattr(causal_lm_module, "linear_cross_entropy", spy)
     chunked_run = _run_config(Kernels(cross_entropy_chunk=7, cross_entropy="compile"))
     full_run = _run_config(Kernels(fused_cross_entropy=False))
     no_reference = lambda: pytest.fail("no reference")  # noqa: E731
     first = build_objective(chunked_run, no_reference)
     second = build_objective(full_run, no_reference)
-    configure_kernels(full_run.kernels, torch.device("cpu"))  # the later run's Engine's
 
     model, batch = _tiny_moe(), _packed_batch()
     losses = [objective.loss(model, batch)[0] for objective in (first, second, first)]
@@ -69,6 +103,6 @@ def test_two_runs_kernel_choices_coexist_in_one_process(
     with torch.no_grad():
         own = label_log_probs(model, ids, labels, kernels=chunked_run.kernels)
         assert compiled == ["log_probs_from_logits"]
-        process_wide = label_log_probs(model, ids, labels)
-    assert compiled == ["log_probs_from_logits"]  # the process-wide choice: full logits
-    torch.testing.assert_close(own, process_wide, rtol=1e-5, atol=1e-6)
+        unconfigured = label_log_probs(model, ids, labels)
+    assert compiled == ["log_probs_from_logits"]  # no kernels given: full logits
+    torch.testing.assert_close(own, unconfigured, rtol=1e-5, atol=1e-6)

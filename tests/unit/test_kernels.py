@@ -6,7 +6,7 @@ dispatcher picks and falls back as documented; the layers and the objective rout
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +19,7 @@ from temper.kernels.cross_entropy import (
     linear_log_probs,
     linear_log_probs_reference,
 )
-from temper.kernels.dispatch import REFERENCE, Impl, Kernels, configure_kernels
+from temper.kernels.dispatch import REFERENCE, Impl, Kernels, resolve_kernels
 from temper.kernels.moe_permute import permute, unpermute
 from temper.kernels.norm import rms_norm
 from temper.kernels.rope import apply_rope
@@ -173,30 +173,25 @@ def test_compiled_form_equals_reference(case: Case) -> None:
     )
 
 
-@pytest.fixture
-def restore_kernels() -> Iterator[None]:
-    yield
-    configure_kernels(REFERENCE, torch.device("cpu"))
-
-
-def test_reference_until_configured_and_auto_resolves_by_device(restore_kernels: None) -> None:
+def test_reference_unless_asked_and_auto_resolves_by_device() -> None:
     cpu = torch.device("cpu")
-    assert dispatch.kernel_settings() is REFERENCE
-    assert dispatch.implementation("rmsnorm", cpu) == "reference"
-    configure_kernels(Kernels(), cpu)  # auto: Triton is CUDA's; CPU compiles only when asked
-    assert {dispatch.implementation(op, cpu) for op in dispatch.OPS} == {"reference"}
+    assert dispatch.implementation("rmsnorm", cpu, None) == "reference"
+    resolved = resolve_kernels(Kernels(), cpu)  # auto: Triton is CUDA's; CPU compiles if asked
+    assert {getattr(resolved, op) for op in dispatch.OPS} == {"reference"}
+    assert resolve_kernels(REFERENCE, cpu) == REFERENCE
 
 
 def test_unavailable_choice_falls_back_with_one_notice(
-    restore_kernels: None, capsys: pytest.CaptureFixture[str]
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    configure_kernels(Kernels(swiglu="triton"), torch.device("cpu"))
+    resolved = resolve_kernels(Kernels(swiglu="triton"), torch.device("cpu"))
     notice = capsys.readouterr().err.strip().splitlines()
     assert notice == [
         "temper: kernels.swiglu=triton cannot run (Triton kernels run on CUDA, this is cpu); "
         "using reference"
     ]
-    assert dispatch.implementation("swiglu", torch.device("cpu")) == "reference"
+    assert resolved.swiglu == "reference"
+    assert dispatch.implementation("swiglu", torch.device("cpu"), resolved.swiglu) == "reference"
     assert capsys.readouterr().err == ""
 
 
@@ -233,12 +228,15 @@ def _packed_batch() -> dict[str, torch.Tensor]:
 
 
 def _loss_and_grads(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], kernels: Kernels = REFERENCE
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and gradients with ``kernels`` for the model's ops and the objective's."""
     from temper.objectives import CausalLM, CausalLMConfig
 
     model.zero_grad()
-    loss_sum, n_tokens, metrics = CausalLM(CausalLMConfig(z_loss_weight=1e-3)).loss(model, batch)
+    model.use_kernels(kernels)
+    objective = CausalLM(CausalLMConfig(z_loss_weight=1e-3), kernels)
+    loss_sum, n_tokens, metrics = objective.loss(model, batch)
     (loss_sum / n_tokens).backward()
     assert metrics["z_loss"] > 0
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -246,7 +244,7 @@ def _loss_and_grads(
 
 
 def test_layers_and_objective_route_through_the_dispatcher(
-    restore_kernels: None, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Forcing ``compile`` reaches every op's reference through ``compiled`` (here recording,
     not compiling), the objective takes the fused loss, and loss and gradients stay put."""
@@ -261,8 +259,9 @@ def test_layers_and_objective_route_through_the_dispatcher(
     plain_loss, plain_grads = _loss_and_grads(model, batch)
     assert used == set()
     forced = dict.fromkeys(dispatch.OPS, "compile")
-    configure_kernels(Kernels(cross_entropy_chunk=7, **forced), torch.device("cpu"))
-    fused_loss, fused_grads = _loss_and_grads(model, batch)
+    fused_loss, fused_grads = _loss_and_grads(
+        model, batch, Kernels(cross_entropy_chunk=7, **forced)
+    )
     assert used == {
         "rms_norm_reference",
         "swiglu_reference",
@@ -303,7 +302,7 @@ def test_fused_loss_equals_plain_loss_within_1e5(z_loss_weight: float) -> None:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_head_with_adapters_keeps_full_logits(restore_kernels: None) -> None:
+def test_a_head_with_adapters_keeps_full_logits() -> None:
     """The fused loss reads only ``output.weight``; a LoRA head must go through its forward."""
     from temper.models.lora import apply_lora
 
@@ -313,6 +312,5 @@ def test_a_head_with_adapters_keeps_full_logits(restore_kernels: None) -> None:
     for lora in (model.output.lora_a, model.output.lora_b):
         torch.nn.init.normal_(lora, std=0.5)
     plain_loss, _ = _loss_and_grads(model, batch)
-    configure_kernels(Kernels(), torch.device("cpu"))
-    fused_loss, _ = _loss_and_grads(model, batch)
+    fused_loss, _ = _loss_and_grads(model, batch, Kernels())
     assert abs(fused_loss - plain_loss) <= 1e-5 * abs(plain_loss)

@@ -17,7 +17,7 @@ from temper.objectives import CausalLM
 from temper.parallel.dims import ParallelDims
 from temper.parallel.parallelize import parallelize_decoder
 from temper.plan import main, plan_run
-from temper.plan.activations import measure_activations
+from temper.plan.activations import measure_activations, planned_kernels
 from temper.plan.layout import describe_params, rank_coordinates
 from temper.utils.compat import init_fake_process_group
 
@@ -73,9 +73,9 @@ def test_shard_sizes_match_the_real_local_shards(fake_world, recipe, world, argv
         assert sizes == [c.numel() for c in torch.empty(weight.shape).chunk(3)]
 
 
-def saved_bytes_on_cpu(model: nn.Module, ids: torch.Tensor) -> tuple[int, int]:
-    """(bytes autograd saves inside the blocks, outside them) in a real CPU forward, each
-    storage once, parameters excluded."""
+def saved_bytes_on_cpu(model: nn.Module, ids: torch.Tensor, objective: CausalLM) -> tuple[int, int]:
+    """(bytes autograd saves inside the blocks, outside them) in a real CPU forward of
+    ``objective``'s loss, each storage once, parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set(params)
     totals = {"in": 0, "out": 0}
@@ -93,7 +93,7 @@ def saved_bytes_on_cpu(model: nn.Module, ids: torch.Tensor) -> tuple[int, int]:
         block.register_forward_hook(lambda m, a, o: where.__setitem__(0, "out"))
     kept = []  # keep every saved storage alive: no address is reused
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or pack(t), lambda t: t):
-        loss, _, _ = CausalLM().loss(model, {"input_ids": ids, "labels": ids})
+        loss, _, _ = objective.loss(model, {"input_ids": ids, "labels": ids})
     return totals["in"], totals["out"]
 
 
@@ -103,13 +103,14 @@ def test_meta_activations_equal_what_a_real_forward_saves(recipe) -> None:
     the [s, s] softmax; the plan counts that too."""
     config = config_of(recipe)
     model = build_run_model(config, load_run_tokenizer(config))
-    measured = measure_activations(config, model, CausalLM(), (2, 32), "cpu")
+    objective = CausalLM(kernels=planned_kernels(config.kernels, "cpu"))
+    measured = measure_activations(config, model, objective, (2, 32), "cpu")
     real = build_run_model(config, load_run_tokenizer(config)).to_empty(device="cpu")
     real.init_weights()
     real.attn_backend = "sdpa"
     torch.manual_seed(0)
     ids = torch.randint(0, 600, (2, 32))
-    inside, outside = saved_bytes_on_cpu(real, ids)
+    inside, outside = saved_bytes_on_cpu(real, ids, objective)
     # The one difference: the real grouped GEMM also saves its [n_experts] int32 offsets.
     offsets = sum(4 * m.n_experts for m in moe_layers(real).values())
     assert sum(b.saved for b in measured.blocks) == inside - offsets

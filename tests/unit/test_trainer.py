@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from temper.config import Config, Job, LRScheduler, Metrics, Model, Training
 from temper.data.batch import IGNORE_INDEX
-from temper.kernels.dispatch import kernel_settings
 from temper.trainer import NonFiniteError, Trainer
 from temper.utils.device import Runtime
 
@@ -53,8 +52,9 @@ def test_step_loss_and_gradients_match_one_big_batch(tmp_path) -> None:
         torch.stack([p.grad.norm() for p in reference.parameters()])
     )
 
-    # The trainer configured its kernels: its loss is the fused, chunked head.
-    assert kernel_settings() is trainer.config.kernels and kernel_settings().fused_cross_entropy
+    # The engine resolved its kernels for the model; its loss is the fused, chunked head.
+    assert trainer.engine.model.kernels is trainer.engine.kernels
+    assert trainer.objective.kernels.fused_cross_entropy
     metrics = trainer.train_step(micro)
     assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-6)
     assert metrics["grad_norm"] == pytest.approx(expected_norm.item(), rel=1e-5)

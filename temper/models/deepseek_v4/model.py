@@ -18,6 +18,7 @@ from torch import nn
 
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import DocumentMask
+from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
 from temper.models.deepseek_v4.mtp import DeepseekV4MTP, mtp_block_args, predict_ahead, v4_mtp_loss
 from temper.models.layers.compressed_attention import CompressedAttention
@@ -171,6 +172,8 @@ class DeepseekV4Transformer(nn.Module):
 
     attn_backend = "auto"
     """Set by the trainer like every family's; the reference attention runs on sdpa."""
+    kernels: Kernels = REFERENCE
+    """The fused ops' implementations, as the shared decoder's (``use_kernels``)."""
 
     def __init__(self, args: DeepseekV4Args) -> None:
         super().__init__()
@@ -193,6 +196,10 @@ class DeepseekV4Transformer(nn.Module):
         main, compress = self._inv_freqs()
         self.register_buffer("inv_freq", main, persistent=False)
         self.register_buffer("compress_inv_freq", compress, persistent=False)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run the fused ops as ``kernels`` says from now on (the shared decoder's contract)."""
+        self.kernels = kernels
 
     def _inv_freqs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The sliding layers' rotary (plain) and the compressed layers' (``rope_scaling``);

@@ -17,7 +17,7 @@ from temper.kernels.attention import attention as causal_attention
 from temper.kernels.ring_attention import ring_attention
 from temper.models.layers.context import ForwardContext, SequenceCore, local_core
 from temper.models.layers.init import init_linear
-from temper.models.layers.norm import RMSNorm
+from temper.models.layers.norm import NoNorm, RMSNorm
 from temper.models.layers.rope import apply_rope
 
 __all__ = ["Attention", "GatedAttention", "LogitMax", "attend", "causal_attention"]
@@ -106,8 +106,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         no_norm = qk_norm_eps is None
-        self.q_norm = nn.Identity() if no_norm else RMSNorm(head_dim, qk_norm_eps)
-        self.k_norm = nn.Identity() if no_norm else RMSNorm(head_dim, qk_norm_eps)
+        self.q_norm = NoNorm() if no_norm else RMSNorm(head_dim, qk_norm_eps)
+        self.k_norm = NoNorm() if no_norm else RMSNorm(head_dim, qk_norm_eps)
         self.sequence_core: SequenceCore = local_core
         # QK-clip (``optimizer.muon_qk_clip``) sets this to track each head's largest logit.
         self.logit_max: LogitMax | None = None
@@ -122,8 +122,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, s, _ = x.shape
-        q = apply_rope(self.q_norm(self.wq(x).view(b, s, -1, self.head_dim)), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), ctx.cos, ctx.sin)
+        kernels = ctx.kernels
+        q = self.q_norm(self.wq(x).view(b, s, -1, self.head_dim), kernels)
+        k = self.k_norm(self.wk(x).view(b, s, -1, self.head_dim), kernels)
+        q = apply_rope(q, ctx.cos, ctx.sin, impl=kernels.rope)
+        k = apply_rope(k, ctx.cos, ctx.sin, impl=kernels.rope)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.logit_max is not None and ctx.cache is None:
             self.logit_max.observe(q, k, ctx.docs)
@@ -175,8 +178,10 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, s, _ = x.shape
         q, gate = self.wq(x).view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), ctx.cos, ctx.sin)
+        kernels = ctx.kernels
+        q = apply_rope(self.q_norm(q, kernels), ctx.cos, ctx.sin, impl=kernels.rope)
+        k = self.k_norm(self.wk(x).view(b, s, -1, self.head_dim), kernels)
+        k = apply_rope(k, ctx.cos, ctx.sin, impl=kernels.rope)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         out = self.sequence_core(self, q, k, v, ctx)
         return self.wo(out.reshape(b, s, -1) * gate.reshape(b, s, -1).sigmoid())

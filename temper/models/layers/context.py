@@ -3,7 +3,8 @@ parallel layout changes how a token mixer looks across the sequence.
 
 ``ForwardContext`` is built once per forward (``Decoder._hidden_states``) and read by the
 layers that need a piece of it: rotary tables, packed documents, the attention backend, the
-sequence-parallel slice, the KV cache. Every block sublayer is called ``forward(x, ctx)``.
+sequence-parallel slice, the kernel choices, the KV cache. Every block sublayer is called
+``forward(x, ctx)``.
 
 A token mixer (attention, MLA, Gated DeltaNet) is token-local except for one step, which needs
 whole sequences: ``mix_heads``. The mixer never calls it directly but through its
@@ -24,6 +25,7 @@ from torch.distributed import ProcessGroup
 
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import Backend, DocumentMask
+from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.models.layers.kv_cache import LayerCache
 
 
@@ -40,6 +42,9 @@ class ForwardContext:
     """The attention backend, resolved once per forward."""
     shard: SequenceShard | None = None
     """Set when the tokens are one rank's slice of each sequence (sequence parallelism)."""
+    kernels: Kernels = dataclasses.field(default_factory=lambda: REFERENCE)
+    """The model's kernel choices (``Decoder.use_kernels``), which layers pass to the fused ops
+    they call: ``rms_norm(x, w, eps, ctx.kernels.rmsnorm)``."""
     caches: tuple[LayerCache, ...] = ()
     """Every layer's KV cache while decoding (empty in training)."""
     cache: LayerCache | None = None

@@ -10,7 +10,9 @@ state dict. Under sequence parallelism the decoder runs on a slice of each seque
 told so by a ``SequenceShard`` argument.
 
 Each forward builds one ``ForwardContext`` (rotary tables, documents, backend, the slice, the
-KV cache) and hands every block its layer's view; blocks call their sublayers ``(x, ctx)``.
+kernel choices, the KV cache) and hands every block its layer's view; blocks call their
+sublayers ``(x, ctx)``. The kernel choices are the model's own (``use_kernels``, which an Engine
+calls with its run's): a model nobody configured runs every op's reference.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import Backend, DocumentMask, prepare_documents
+from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.models.layers.args import DecoderArgs
 from temper.models.layers.attention import Attention
 from temper.models.layers.context import ForwardContext
@@ -51,8 +54,8 @@ class Block(nn.Module):
         self.ffn_norm = norm_cls(args.dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), ctx)
-        return h + self.feed_forward(self.ffn_norm(h), ctx)
+        h = x + self.attention(self.attention_norm(x, ctx.kernels), ctx)
+        return h + self.feed_forward(self.ffn_norm(h, ctx.kernels), ctx)
 
 
 class Decoder(nn.Module):
@@ -68,6 +71,8 @@ class Decoder(nn.Module):
     """Layers add a learned sink logit per head (gpt-oss): on CUDA, ``auto`` picks flex."""
     norm_cls: Callable[[int, float], nn.Module] = RMSNorm
     """The block and final norms: ``norm_cls(dim, eps)``."""
+    kernels: Kernels = REFERENCE
+    """The fused ops' implementations each forward's context carries (``use_kernels``)."""
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
@@ -83,6 +88,12 @@ class Decoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Derived from args, never checkpointed: init_weights recomputes it after to_empty.
         self.register_buffer("inv_freq", self.rope_inv_freq(), persistent=False)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run the fused ops as ``kernels`` says from now on: an Engine's choices, resolved for
+        its device (``temper.kernels.dispatch.resolve_kernels``). The model's own, so two
+        models in one process may differ; never part of the state dict."""
+        self.kernels = kernels
 
     def rope_inv_freq(self) -> torch.Tensor:
         """Rotary inverse frequencies over the whole head unless a family rotates fewer dims."""
@@ -178,17 +189,18 @@ class Decoder(nn.Module):
                 window=self.sliding_window,
                 sinks=self.attention_sinks,
             )
-            ctx = ForwardContext(cos, sin, docs, backend, shard)
+            ctx = ForwardContext(cos, sin, docs, backend, shard, self.kernels)
         elif docs is not None or shard is not None:
             raise ValueError(
                 "a KV cache decodes whole rows; packed documents and sequence-parallel slices "
                 "are for training"
             )
         else:
-            ctx = ForwardContext(cos, sin, backend="sdpa", caches=tuple(cache.extend(h.shape[1])))
+            caches = tuple(cache.extend(h.shape[1]))
+            ctx = ForwardContext(cos, sin, backend="sdpa", kernels=self.kernels, caches=caches)
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx.layer(i))
-        return self.norm(h)
+        return self.norm(h, self.kernels)
 
     def forward(
         self,

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from temper.kernels.dispatch import Impl
 from temper.kernels.grouped_gemm import grouped_mm
 from temper.kernels.moe_permute import permute as permute_rows
 from temper.kernels.swiglu import swiglu
@@ -56,15 +57,16 @@ class GroupedExperts(nn.Module):
 
 
 def permute(
-    x: torch.Tensor, experts: torch.Tensor, n_experts: int
+    x: torch.Tensor, experts: torch.Tensor, n_experts: int, impl: Impl | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy each token once per chosen expert, grouped by expert (token order kept within one).
 
     x [n, dim], experts [n, k] -> rows [n * k, dim], ``order`` (the flat (token, slot) index of
-    each row, for ``unpermute``) and tokens per expert [E] (int64, no host sync).
+    each row, for ``unpermute``) and tokens per expert [E] (int64, no host sync); ``impl``:
+    the copy's kernel (None: the reference).
     """
     order = experts.flatten().argsort(stable=True)
-    rows = permute_rows(x, order, experts.shape[1])
+    rows = permute_rows(x, order, experts.shape[1], impl)
     return rows, order, tokens_per_expert(experts, n_experts)
 
 

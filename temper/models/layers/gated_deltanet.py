@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from temper.kernels.attention import DocumentMask
 from temper.kernels.causal_conv import causal_conv
+from temper.kernels.dispatch import Impl
 from temper.kernels.gated_delta import gated_delta_rule, recurrent_gated_delta_rule
 from temper.kernels.ring_attention import load_balanced_indices
 from temper.kernels.state_chain import Carry, state_chain
@@ -118,7 +119,7 @@ class GatedDeltaNet(nn.Module):
             x = x * ctx.cache.valid_columns(x.shape[1])[..., None].to(x.dtype)
         q, k, v, z, b, a = self.project(x)
         out = self.sequence_core(self, q, k, v, ctx, b, a)
-        return self.wo(self.norm(out, z).flatten(2))
+        return self.wo(self.norm(out, z, ctx.kernels).flatten(2))
 
     def mix_heads(
         self,
@@ -133,10 +134,30 @@ class GatedDeltaNet(nn.Module):
         context parallelism (``ctx.context_group``) ``context_parallel_mix``."""
         if ctx.context_group is not None:
             return context_parallel_mix(
-                self, q, k, v, b, a, ctx.docs, ctx.context_group, ctx.head_part, ctx.head_parts
+                self,
+                q,
+                k,
+                v,
+                b,
+                a,
+                ctx.docs,
+                ctx.context_group,
+                ctx.head_part,
+                ctx.head_parts,
+                ctx.kernels.gated_delta,
             )
         return gated_delta_mix(
-            self, q, k, v, b, a, ctx.docs, ctx.cache, part=ctx.head_part, parts=ctx.head_parts
+            self,
+            q,
+            k,
+            v,
+            b,
+            a,
+            ctx.docs,
+            ctx.cache,
+            part=ctx.head_part,
+            parts=ctx.head_parts,
+            impl=ctx.kernels.gated_delta,
         )
 
 
@@ -170,10 +191,11 @@ def gated_delta_mix(
     cache: LayerCache | None = None,
     part: int = 0,
     parts: int = 1,
+    impl: Impl | None = None,
 ) -> torch.Tensor:
     """Convolution and gated delta rule on whole sequences of heads' part ``part`` of
     ``parts`` (all heads by default): q, k [b, s, n_k', d_k], v [b, s, n_v', d_v], b, a
-    [b, s, n_v'] -> [b, s, n_v', d_v].
+    [b, s, n_v'] -> [b, s, n_v', d_v]; ``impl``: the rule's kernel (None: the reference).
 
     Under autograd it saves only its inputs and runs again in backward: what it would keep
     (the convolution's output, the normalized and head-repeated q and k, the chunked rule's
@@ -181,8 +203,9 @@ def gated_delta_mix(
     size of q, k and v, and recomputing it costs one forward of this function, a small part
     of the layer's step. Deterministic ops only, so the recomputation is exact."""
     if cache is None and torch.is_grad_enabled():
-        return checkpoint(_mix, layer, q, k, v, b, a, docs, None, part, parts, use_reentrant=False)
-    return _mix(layer, q, k, v, b, a, docs, cache, part, parts)
+        inputs = (layer, q, k, v, b, a, docs, None, part, parts, impl)
+        return checkpoint(_mix, *inputs, use_reentrant=False)
+    return _mix(layer, q, k, v, b, a, docs, cache, part, parts, impl)
 
 
 def _mix(
@@ -196,6 +219,7 @@ def _mix(
     cache: LayerCache | None,
     part: int,
     parts: int,
+    impl: Impl | None,
 ) -> torch.Tensor:
     conv, A_log, dt_bias = layer.head_params(part, parts)
     shapes = q.shape[2:] + v.shape[2:]
@@ -208,10 +232,12 @@ def _mix(
         cache.conv_window = next_window(x, window, conv.shape[1])
     q, k, v = _convolve(x, conv, window, shapes)
     if cache is None:
-        out, _ = gated_delta_rule(q, k, v, g, beta)
+        out, _ = gated_delta_rule(q, k, v, g, beta, impl=impl)
         return out if rows is None else rows.scatter(out)
-    rule = recurrent_gated_delta_rule if q.shape[1] == 1 else gated_delta_rule
-    out, cache.state = rule(q, k, v, g, beta, cache.state)
+    if q.shape[1] == 1:
+        out, cache.state = recurrent_gated_delta_rule(q, k, v, g, beta, cache.state)
+    else:
+        out, cache.state = gated_delta_rule(q, k, v, g, beta, cache.state, impl)
     return out
 
 
@@ -257,13 +283,14 @@ def context_parallel_mix(
     group: dist.ProcessGroup,
     part: int = 0,
     parts: int = 1,
+    impl: Impl | None = None,
 ) -> torch.Tensor:
     """``gated_delta_mix`` of this rank's tokens of sequences held by the CP ``group`` in the
     load-balanced layout (``docs``: the whole sequence's documents, or None), on heads' part
-    ``part`` of ``parts`` as ``gated_delta_mix``. Each of the rank's two chunks runs as a
-    one-process call would on its own documents, except that the document it continues starts
-    from the state and the last ``kernel - 1`` convolution inputs that the previous chunk
-    passed on (``state_chain``); at a document start both are zeros."""
+    ``part`` of ``parts`` with the rule's kernel ``impl`` as ``gated_delta_mix``. Each of the
+    rank's two chunks runs as a one-process call would on its own documents, except that the
+    document it continues starts from the state and the last ``kernel - 1`` convolution inputs
+    that the previous chunk passed on (``state_chain``); at a document start both are zeros."""
     conv, A_log, dt_bias = layer.head_params(part, parts)
     shapes = q.shape[2:] + v.shape[2:]
     batch, s, n_v, d_v = v.shape
@@ -283,7 +310,8 @@ def context_parallel_mix(
         windows = chunk.first_rows(window * chunk.window_kept[..., None].to(x.dtype))
         states = chunk.first_rows(state * chunk.continues[:, None, None, None].to(state.dtype))
         q, k, v = _convolve(rows.gather(x), conv, windows, shapes)
-        out, states = gated_delta_rule(q, k, v, rows.gather(g), rows.gather(beta), states)
+        g, beta = rows.gather(g), rows.gather(beta)
+        out, states = gated_delta_rule(q, k, v, g, beta, states, impl)
         return rows.scatter(out), (states[chunk.last], next_window(x, window, kernel))
 
     zero = (

@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.models.layers.attention import attend
 from temper.models.layers.context import ForwardContext, SequenceCore, local_core
 from temper.models.layers.init import init_linear
@@ -73,27 +74,32 @@ class MLA(nn.Module):
             norm.reset_parameters()
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kernels: Kernels = REFERENCE,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q, k [b, s, n_heads, qk_head_dim] with rotary applied, v [b, s, n_heads,
         v_head_dim], and the normed query latent [b, s, q_lora_rank] (None without
-        ``q_lora_rank``), which DeepSeek sparse attention's indexer reads too."""
+        ``q_lora_rank``), which DeepSeek sparse attention's indexer reads too; the norms and
+        rotary run as ``kernels`` says."""
         b, s, _ = x.shape
-        q_latent = None if self.q_lora_rank is None else self.q_norm(self.wq_a(x))
+        q_latent = None if self.q_lora_rank is None else self.q_norm(self.wq_a(x), kernels)
         q = self.wq(x) if q_latent is None else self.wq_b(q_latent)
         q_nope, q_rope = q.view(b, s, self.n_heads, -1).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_nope, v = (
-            self.wkv_b(self.kv_norm(latent))
+            self.wkv_b(self.kv_norm(latent, kernels))
             .view(b, s, self.n_heads, -1)
             .split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         )
         # YaRN's attention factor scales cos and sin in fp32, before the cast, as in HF.
         cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        q_rope = apply_rope(q_rope, cos, sin, self.rope_interleaved)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_interleaved)
+        q_rope = apply_rope(q_rope, cos, sin, self.rope_interleaved, kernels.rope)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_interleaved, kernels.rope)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, self.n_heads, -1)), dim=-1)
         return q, k, v, q_latent
@@ -101,7 +107,7 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [b, s, dim] -> [b, s, dim], with the fp32 rotary tables [b, s, qk_rope_head_dim]
         of ``ctx``; a KV cache (decoding) keeps the expanded per-head keys and values."""
-        q, k, v, _ = self.project(x, ctx.cos, ctx.sin)
+        q, k, v, _ = self.project(x, ctx.cos, ctx.sin, ctx.kernels)
         out = self.sequence_core(self, q, k, v, ctx)
         return self.wo(out.flatten(2))
 

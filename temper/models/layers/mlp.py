@@ -24,6 +24,7 @@ class FeedForward(nn.Module):
         init_linear(self.w2, out_std)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """The block passes its context to every sublayer; each token here is computed alone,
-        so nothing in it matters."""
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        """Each token alone; of the context only the kernel choices matter (None: the
+        references)."""
+        impl = None if ctx is None else ctx.kernels.swiglu
+        return self.w2(swiglu(self.w1(x), self.w3(x), impl))

@@ -119,7 +119,8 @@ class MoE(nn.Module):
         probs, weights, experts = self.router(tokens, self._replayed(x))
         if self.record is not None:
             self.record.append(experts.view(*x.shape[:2], -1))
-        rows, order, counts = permute(tokens, experts, self.n_experts)
+        impl = None if ctx is None else ctx.kernels.moe_permute
+        rows, order, counts = permute(tokens, experts, self.n_experts, impl)
         out = self._dispatcher(self.experts, rows, counts)
         real_experts = experts if valid_len is None else _real(x.shape[:2], valid_len, experts)
         if isinstance(self.router, GroupLimitedRouter):
@@ -137,9 +138,9 @@ class MoE(nn.Module):
                     real_probs.shape[0] * real_probs.shape[1],
                     _entropy_sum(real_probs),
                 )
-        out = unpermute(out, order, weights).view_as(x)
+        out = unpermute(out, order, weights, impl).view_as(x)
         if self.shared_experts is not None:
-            shared = self.shared_experts(x)
+            shared = self.shared_experts(x, ctx)
             if self.shared_gate is not None:
                 shared = self.shared_gate(x).sigmoid() * shared
             out = out + shared

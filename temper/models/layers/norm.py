@@ -1,9 +1,14 @@
-"""Root-mean-square layer norms: Llama's, the zero-centred (1 + w) one, and the gated one."""
+"""Root-mean-square layer norms: Llama's, the zero-centred (1 + w) one, and the gated one.
+
+Each takes the forward's kernel choices (``ForwardContext.kernels``; the references when not
+given), so a block calls whichever norm its family uses the same way: ``norm(x, ctx.kernels)``.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.kernels.norm import rms_norm
 
 
@@ -22,8 +27,15 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, kernels: Kernels = REFERENCE) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, kernels.rmsnorm)
+
+
+class NoNorm(nn.Identity):
+    """Where a family has no norm (Llama's q and k): the identity, called as the norms are."""
+
+    def forward(self, x: torch.Tensor, kernels: Kernels = REFERENCE) -> torch.Tensor:
+        return x
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -39,7 +51,9 @@ class ZeroCenteredRMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Kernels = REFERENCE) -> torch.Tensor:
+        """Plain PyTorch whatever ``kernels`` says: the fused RMSNorm casts before the weight,
+        this norm after it."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
@@ -58,5 +72,8 @@ class GatedRMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return (rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, gate: torch.Tensor, kernels: Kernels = REFERENCE
+    ) -> torch.Tensor:
+        normed = rms_norm(x, self.weight, self.eps, kernels.rmsnorm)
+        return (normed * F.silu(gate.float())).to(x.dtype)

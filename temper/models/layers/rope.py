@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from temper.kernels.dispatch import Impl
 from temper.kernels.rope import apply_rope as rotate
 
 
@@ -145,7 +146,11 @@ def mrope_cos_sin(
 
 
 def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    impl: Impl | None = None,
 ) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim]; cos/sin are cast to x's dtype first, as HF does.
 
@@ -155,10 +160,12 @@ def apply_rope(
     ``interleaved``: x holds each rotated pair in adjacent dims (2i, 2i + 1), DeepSeek's layout.
     The result is then in the rotate-half layout (even dims, then odd ones), as transformers
     returns it; attention scores are unchanged, since q and k are permuted alike.
+
+    ``impl``: the rotation's kernel (``ctx.kernels.rope``; None: the reference).
     """
     if interleaved:
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
     rotary = cos.shape[-1]
     if rotary < x.shape[-1]:
-        return torch.cat((rotate(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
-    return rotate(x, cos, sin)
+        return torch.cat((rotate(x[..., :rotary], cos, sin, impl), x[..., rotary:]), dim=-1)
+    return rotate(x, cos, sin, impl)

@@ -41,8 +41,8 @@ class SinkAttention(Attention):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, s, _ = x.shape
         cos, sin = ctx.cos * self.rope_scale, ctx.sin * self.rope_scale
-        q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)
+        q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin, impl=ctx.kernels.rope)
+        k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin, impl=ctx.kernels.rope)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         out = self.sequence_core(self, q, k, v, ctx)
         return self.wo(out.reshape(b, s, -1))

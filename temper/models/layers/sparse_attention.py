@@ -238,7 +238,7 @@ class SparseMLA(MLA):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """As ``MLA.forward``, each query restricted to its selected keys (to every visible
         key in ``dense_warmup``)."""
-        q, k, v, q_latent = self.project(x, ctx.cos, ctx.sin)
+        q, k, v, q_latent = self.project(x, ctx.cos, ctx.sin, ctx.kernels)
         assert q_latent is not None  # q_lora_rank is required in __init__'s signature
         if self.indexer is None:
             assert self.selection is not None  # __init__ requires it
@@ -263,7 +263,9 @@ class SparseMLA(MLA):
         if ctx.cache is not None:
             return super().mix_heads(q, k, v, ctx)
         assert ctx.selected is not None  # forward sets it
-        return sparse_attention(q, k, v, ctx.selected, self.softmax_scale)
+        return sparse_attention(
+            q, k, v, ctx.selected, self.softmax_scale, ctx.kernels.sparse_attention
+        )
 
     def _choose(
         self,
