@@ -1,8 +1,8 @@
 """DeepSeek V4 recipes: plain functions returning a Config; derive by calling and editing.
 
-The family trains whole rows (packed or not) under FSDP and expert parallelism and decodes
-with the growing KV cache; sequence and context parallelism are not built yet
-(docs/models.md).
+The family trains whole rows (packed or not) under FSDP, expert and Ulysses sequence
+parallelism, optionally with multi-token-prediction depths, and decodes with the growing KV
+cache; context parallelism is not built yet (docs/models.md).
 """
 
 from __future__ import annotations
@@ -31,6 +31,15 @@ def deepseek_v4_debug() -> Config:
         optimizer=Optimizer(lr=2e-3, weight_decay=0.1),
         lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
     )
+
+
+def deepseek_v4_debug_mtp() -> Config:
+    """The debug model with one multi-token-prediction depth trained jointly (weight 0.3):
+    logs ``mtp_loss`` and ``mtp_accuracy``, the draft's next-token accuracy."""
+    config = deepseek_v4_debug()
+    config.job.dump_folder = "./outputs/deepseek_v4_debug_mtp"
+    config.model.mtp_depth = 1
+    return config
 
 
 def deepseek_v4_flash_sft() -> Config:

@@ -9,6 +9,7 @@ window, the compressed windows and the top-k choice all cross the slice boundary
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,27 +18,27 @@ from harness import run_on_ranks
 from training import Layout, assert_same_metrics, parity_config
 from training import train as train_layout
 
-from temper.recipes.deepseek_v4 import deepseek_v4_debug
+from temper.config import Config
+from temper.recipes.deepseek_v4 import deepseek_v4_debug, deepseek_v4_debug_mtp
 
 SINGLE8 = Layout("single8", world=1, local_batch=8)
 SP2_EP2 = Layout("sp2_ep2", world=4, local_batch=4, parallelism={"sp": 2, "ep": 2})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mtp_depth", [0, 1], ids=["plain", "mtp"])
+@pytest.mark.parametrize("recipe", [deepseek_v4_debug, deepseek_v4_debug_mtp], ids=["plain", "mtp"])
 def test_sequence_and_expert_parallel_v4_trains_like_one_process(
-    tmp_path_factory: pytest.TempPathFactory, mtp_depth: int
+    tmp_path_factory: pytest.TempPathFactory, recipe: Callable[[], Config]
 ) -> None:
     """SP 2 x EP 2 over four ranks: every step's loss and gradient norm of one process
     training the same 8 rows of 64 tokens as one micro-batch (1e-5), with and without a
     multi-token-prediction depth trained jointly (its loss is in the loss)."""
-    folder = tmp_path_factory.getbasetemp() / f"deepseek_v4_sp_mtp{mtp_depth}"
-    runs = {}
-    for layout in (SINGLE8, SP2_EP2):
-        config = parity_config(deepseek_v4_debug, folder, layout)
-        config.model.mtp_depth = mtp_depth
-        runs[layout.name] = train_layout(config, layout)
-    if mtp_depth:
+    folder = tmp_path_factory.getbasetemp() / recipe.__name__
+    runs = {
+        layout.name: train_layout(parity_config(recipe, folder, layout), layout)
+        for layout in (SINGLE8, SP2_EP2)
+    }
+    if recipe is deepseek_v4_debug_mtp:
         assert all("mtp_loss" in row for row in runs["single8"].rows)
         for row, ref in zip(runs["sp2_ep2"].rows, runs["single8"].rows, strict=True):
             assert row["mtp_loss"] == pytest.approx(ref["mtp_loss"], rel=1e-5)
