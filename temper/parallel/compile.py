@@ -15,13 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from temper.models.layers.context import SequenceMixer
 from temper.models.layers.moe import moe_layers
 from temper.utils.compat import forward_side_effects_once
 from temper.utils.recompute import recomputed_whole
 
 
 def apply_compile(
-    blocks: Iterable[nn.Module], backend: str = "inductor", around_dispatch: bool = False
+    blocks: Iterable[nn.Module],
+    backend: str = "inductor",
+    around_dispatch: bool = False,
+    around_ring: bool = False,
 ) -> None:
     """Compile each block's forward (after activation checkpointing, so it is traced too).
 
@@ -36,10 +40,14 @@ def apply_compile(
     and its recomputation run the same compiled parts, which selective checkpointing needs
     to match one to the other (a block compiled around a graph break would be recomputed
     without them). Selective checkpointing keeps what runs between the parts; each part is
-    recomputed whole (`recomputed_whole`)."""
+    recomputed whole (`recomputed_whole`).
+
+    ``around_ring`` (context parallelism, whose ring passes K/V blocks or states with
+    point-to-point sends that cannot be traced) compiles parts the same way, the token mixer
+    left eager around its ring and its projections and norms compiled one by one."""
     for block in blocks:
-        if around_dispatch:
-            for part in _parts_around_dispatch(block):
+        if around_dispatch or around_ring:
+            for part in _parts_around(block, around_dispatch, around_ring):
                 compiled = torch.compile(part.forward, fullgraph=True, backend=backend)
                 part.forward = _inside(recomputed_whole, compiled)
         else:
@@ -47,11 +55,13 @@ def apply_compile(
             block.forward = _inside(forward_side_effects_once, compiled)
 
 
-def _parts_around_dispatch(block: nn.Module) -> Iterator[nn.Module]:
-    moes = moe_layers(block)
+def _parts_around(block: nn.Module, dispatch: bool, ring: bool) -> Iterator[nn.Module]:
+    moes = moe_layers(block) if dispatch else {}
     for name, child in block.named_children():
         if name in moes:
             yield from (p for n, p in child.named_children() if n != "experts")
+        elif ring and isinstance(child, SequenceMixer):
+            yield from child.children()
         else:
             yield child
 

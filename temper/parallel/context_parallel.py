@@ -219,10 +219,9 @@ def check_context_parallel(config: Config, world_size: int) -> None:
         return
     refusals = {
         "objective.name": (
-            config.objective.name not in ("causal_lm", "dpo"),
-            f"only causal_lm and dpo train under CP so far, not {config.objective.name!r}",
+            config.objective.name not in ("causal_lm", "dpo", "grpo"),
+            f"only causal_lm, dpo and grpo train under CP so far, not {config.objective.name!r}",
         ),
-        "compile.enable": (config.compile.enable, "ring attention is not compiled yet"),
         "optimizer.muon_qk_clip": (
             config.optimizer.muon_qk_clip > 0,
             "QK-clip's logit maximum needs whole sequences",

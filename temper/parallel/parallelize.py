@@ -48,7 +48,7 @@ def parallelize_decoder(
         apply_expert_parallel(model, expert_mesh)
     apply_activation_checkpointing(blocks, config.activation_checkpoint.mode)
     if config.compile.enable:
-        apply_compile(blocks, around_dispatch=expert_mesh is not None)
+        apply_compile(blocks, around_dispatch=expert_mesh is not None, around_ring=cp > 1)
     if meshes is not None:
         offload = offload_policy(config.parallelism.fsdp_cpu_offload, meshes.fsdp.device_type)
         if expert_mesh is not None:
