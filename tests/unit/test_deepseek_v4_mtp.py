@@ -23,7 +23,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.masking_utils import create_sliding_window_causal_mask
 
 from temper.data.batch import IGNORE_INDEX
-from temper.models import load_hf, save_hf
+from temper.models import build_model, load_hf, save_hf
 from temper.models.hf import adapter_of
 from temper.objectives import CausalLM
 
@@ -197,3 +197,17 @@ def test_mtp_leaves_the_main_model_alone_and_round_trips(tmp_path: Path) -> None
         written = load_file(tmp_path / out / "model.safetensors")
         assert written.keys() == source.keys()
         assert all(torch.equal(written[k], source[k]) for k in source), out
+
+
+def test_flops_count_each_depth_as_a_sliding_layer_and_a_head() -> None:
+    """A depth adds 6 FLOPs per active weight (its routed experts at top_k / n_experts), 6
+    per head weight (the shared head applied again) and the sliding window's attention."""
+    plain = build_model("deepseek_v4", "debug")
+    with_mtp = build_model("deepseek_v4", "debug", overrides={"mtp_depth": 1})
+    args, depth = with_mtp.args, with_mtp.mtp[0]
+    experts = sum(p.numel() for p in depth.block.feed_forward.experts.parameters())
+    active = sum(p.numel() for p in depth.parameters()) - experts * (1 - 2 / 8)
+    window = 12 * args.n_heads * args.head_dim * args.sliding_window
+    expected = 6 * active + 6 * args.vocab_size * args.dim + window
+    added = with_mtp.flops_per_token(256) - plain.flops_per_token(256)
+    assert added == pytest.approx(expected, rel=1e-12)
