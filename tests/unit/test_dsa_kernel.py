@@ -53,8 +53,9 @@ def test_selection_becomes_key_lists() -> None:
 
 
 def test_sparse_mla_runs_the_dispatched_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layer's attention is ``kernels.sparse_attention``'s choice: a form pinned by the
-    dispatcher gets the layer's q, k, v, selection and softmax scale."""
+    """The layer's attention is its context's ``kernels.sparse_attention`` choice: with
+    ``compile`` asked for, the compiled form (a spy here) gets the layer's q, k, v, selection
+    and softmax scale; other ops keep their references."""
     seen: list[float] = []
 
     def spy(
@@ -70,12 +71,10 @@ def test_sparse_mla_runs_the_dispatched_core(monkeypatch: pytest.MonkeyPatch) ->
     )  # fmt: skip
     x = torch.randn(1, 6, 32)
     cos, sin = rope_cos_sin(rope_inv_freq(4, 10000.0), torch.arange(6)[None])
-    ctx = ForwardContext(cos=cos, sin=sin)
-    plain = layer(x, ctx)
-    pinned = {"sparse_attention": "compile"}
-    monkeypatch.setattr(dispatch, "implementation", lambda op, *_: pinned.get(op, "reference"))
+    plain = layer(x, ForwardContext(cos=cos, sin=sin))
     monkeypatch.setattr(dispatch, "compiled", lambda fn: spy)
-    torch.testing.assert_close(layer(x, ctx), plain, rtol=0, atol=0)
+    asked = dataclasses.replace(dispatch.REFERENCE, sparse_attention="compile")
+    torch.testing.assert_close(layer(x, ForwardContext(cos, sin, kernels=asked)), plain)
     assert seen == [0.25]
 
 
