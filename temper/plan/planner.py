@@ -123,8 +123,10 @@ def plan_run(
             dist.destroy_process_group()
     plan.grad_accum = dims.grad_accum_steps(config.training)
     seq_len = config.training.seq_len
-    # CP pads to a multiple of 2 x cp and gives each rank two chunks.
-    length = -(-seq_len // dims.sp) if dims.cp == 1 else 2 * -(-seq_len // (2 * dims.cp))
+    # A rank's tokens: SP pads to a multiple of sp, CP to one of 2 x cp (x sp under CP x SP:
+    # each CP rank's two chunks cut into sp slices).
+    multiple = dims.sp * (1 if dims.cp == 1 else 2 * dims.cp)
+    length = -(-seq_len // multiple) * multiple // (dims.cp * dims.sp)
     plan.tokens = (config.training.local_batch_size, length)
     unsharded = build_run_model(config, tokenizer)
     plan.flops_per_token = unsharded.flops_per_token(seq_len)

@@ -165,6 +165,18 @@ def test_ring_attention_by_hand() -> None:
     assert plan.communication.all_to_all_sp == 0
 
 
+def test_cp_with_sp_plans_each_ranks_slice() -> None:
+    """CP 2 x SP 2 on 30 tokens: padded to 32 (a multiple of 2 x cp x sp), each CP rank's 16
+    tokens cut into two SP slices of 8, which is what a rank plans; SP's all-to-alls and the
+    ring both move bytes."""
+    config = config_of(
+        "llama3_debug", "--parallelism.cp", "2", "--parallelism.sp", "2", "--training.seq_len", "30"
+    )
+    plan = plan_run(config, 4, "cpu")
+    assert plan.errors == [] and plan.tokens == (config.training.local_batch_size, 8)
+    assert plan.communication.ring_cp > 0 and plan.communication.all_to_all_sp > 0
+
+
 def test_state_bytes_sum_to_the_model_over_ranks_and_replicas() -> None:
     config = config_of(
         "qwen3_moe_debug", "--parallelism.ep", "2", "--parallelism.dp_replicate", "2"
