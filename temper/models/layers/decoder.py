@@ -146,6 +146,7 @@ class Decoder(nn.Module):
         docs: DocumentMask | None = None,
         cache: KVCache | None = None,
         shard: SequenceShard | None = None,
+        **inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         """Final-norm output [b, s, dim], so a fused loss can apply ``output`` itself.
 
@@ -153,9 +154,23 @@ class Decoder(nn.Module):
         without it each row is one causal sequence. With a KV ``cache`` (decoding) the tokens
         follow those of earlier calls, whose keys it holds; attention then runs on sdpa with
         the cache's mask, whatever ``attn_backend`` is. ``shard`` says that the tokens are a
-        sequence-parallel slice (``docs`` then describes the whole sequence).
+        sequence-parallel slice (``docs`` then describes the whole sequence). ``inputs``: a
+        family's further inputs, which ``embed_inputs`` reads (a vision-language model's
+        images).
         """
-        return self._hidden_states(input_ids, position_ids, docs, cache, shard)
+        return self._hidden_states(input_ids, position_ids, docs, cache, shard, **inputs)
+
+    def embed_inputs(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        shard: SequenceShard | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first hidden states [b, s, dim] and the positions rotary reads where they are
+        not ``position_ids`` (None here): the token embeddings. A vision-language model
+        overrides it to put image features in place of image tokens and to return multimodal
+        positions [3, b, s], taking its images as keyword ``inputs``."""
+        return self.tok_embeddings(input_ids), None
 
     def _hidden_states(
         self,
@@ -164,22 +179,20 @@ class Decoder(nn.Module):
         docs: DocumentMask | None,
         cache: KVCache | None,
         shard: SequenceShard | None,
-        embeddings: torch.Tensor | None = None,
-        rope_position_ids: torch.Tensor | None = None,
+        **inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         """``hidden_states``'s body, which ``forward`` calls too: FSDP2 wraps the public method
         in its root hooks (the fused loss calls it alone), and forward already runs inside
         them; calling the wrapped method from forward would enter them twice.
 
-        A vision-language model passes its fused ``embeddings`` (image features in place of
-        image tokens) and multimodal ``rope_position_ids`` [3, b, s]; ``position_ids`` then
-        still find the packed documents."""
+        Where ``embed_inputs`` gives multimodal rotary positions, ``position_ids`` still find
+        the packed documents."""
+        h, rope_position_ids = self.embed_inputs(input_ids, position_ids, shard, **inputs)
         if position_ids is None:
             start = 0 if cache is None else cache.length
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None]
         cos, sin = self.rope(position_ids if rope_position_ids is None else rope_position_ids)
-        h = self.tok_embeddings(input_ids) if embeddings is None else embeddings
         if cache is None:
             backend, docs = prepare_documents(
                 self.attn_backend,
@@ -209,13 +222,15 @@ class Decoder(nn.Module):
         docs: DocumentMask | None = None,
         cache: KVCache | None = None,
         shard: SequenceShard | None = None,
+        **inputs: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Logits [b, s, vocab] for token ids [b, s]; positions default to 0..s-1.
+        """Logits [b, s, vocab] for token ids [b, s]; positions default to 0..s-1; ``inputs``
+        as ``hidden_states``.
 
         With a KV ``cache`` (decoding, see ``hidden_states``), only the last position's logits
         [b, 1, vocab]: nothing else is sampled from, and a long prompt's would be huge.
         """
-        h = self._hidden_states(input_ids, position_ids, docs, cache, shard)
+        h = self._hidden_states(input_ids, position_ids, docs, cache, shard, **inputs)
         return self.output(h if cache is None else h[:, -1:])
 
     def active_params(self, trainable: bool | None = None) -> float:

@@ -9,8 +9,6 @@ from torch import nn
 
 from temper.data.batch import SequenceShard
 from temper.data.mrope_positions import mrope_positions
-from temper.kernels.attention import DocumentMask
-from temper.models.layers.kv_cache import KVCache
 from temper.models.layers.vision import VisionTower
 from temper.models.qwen3_5.model import Qwen3_5Transformer
 from temper.models.qwen3_5_moe.model import Qwen3_5MoeTransformer
@@ -18,11 +16,12 @@ from temper.models.qwen3_5_vl.args import Qwen3_5MoeVLArgs, Qwen3_5VLArgs
 
 
 class VisionLanguage(nn.Module):
-    """Adds ``visual`` (the tower) to a Qwen3.5 decoder; ``forward`` and ``hidden_states``
-    take the images' ``pixel_values`` and ``image_grid_thw`` (as transformers' processor gives
-    them) and, optionally, ``rope_position_ids`` [3, b, s] (computed from the grids when
-    absent). Under sequence parallelism ``fusion_input_ids`` holds the whole sequence's ids:
-    the images are fused into the whole sequence, which is then sliced as the tokens were."""
+    """Adds ``visual`` (the tower) to a Qwen3.5 decoder, whose ``forward`` and
+    ``hidden_states`` then take the images' ``pixel_values`` and ``image_grid_thw`` (as
+    transformers' processor gives them) and, optionally, ``rope_position_ids`` [3, b, s]
+    (computed from the grids when absent) as keywords, read by ``embed_inputs``. Under
+    sequence parallelism ``fusion_input_ids`` holds the whole sequence's ids: the images are
+    fused into the whole sequence, which is then sliced as the tokens were."""
 
     args: Qwen3_5VLArgs
     tok_embeddings: nn.Embedding
@@ -57,70 +56,20 @@ class VisionLanguage(nn.Module):
             )
         return h.masked_scatter(is_image[..., None], features.to(h.dtype))
 
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        docs: DocumentMask | None = None,
-        cache: KVCache | None = None,
-        shard: SequenceShard | None = None,
-        *,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        rope_position_ids: torch.Tensor | None = None,
-        fusion_input_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self._fused_hidden_states(
-            input_ids,
-            position_ids,
-            docs,
-            cache,
-            shard,
-            pixel_values,
-            image_grid_thw,
-            rope_position_ids,
-            fusion_input_ids,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        docs: DocumentMask | None = None,
-        cache: KVCache | None = None,
-        shard: SequenceShard | None = None,
-        *,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        rope_position_ids: torch.Tensor | None = None,
-        fusion_input_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits [b, s, vocab] (the last position's only with a KV ``cache``)."""
-        h = self._fused_hidden_states(
-            input_ids,
-            position_ids,
-            docs,
-            cache,
-            shard,
-            pixel_values,
-            image_grid_thw,
-            rope_position_ids,
-            fusion_input_ids,
-        )
-        return self.output(h if cache is None else h[:, -1:])
-
-    def _fused_hidden_states(
+    def embed_inputs(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
-        docs: DocumentMask | None,
-        cache: KVCache | None,
         shard: SequenceShard | None,
-        pixel_values: torch.Tensor | None,
-        image_grid_thw: torch.Tensor | None,
-        rope_position_ids: torch.Tensor | None,
-        fusion_input_ids: torch.Tensor | None,
-    ) -> torch.Tensor:
+        *,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        rope_position_ids: torch.Tensor | None = None,
+        fusion_input_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder's hook: the fused embeddings of this forward's tokens (a slice's part of
+        the whole sequence's under sequence parallelism) and their multimodal positions
+        (computed from the grids when a batch with images does not bring them)."""
         if pixel_values is not None and rope_position_ids is None:
             if shard is not None:
                 raise ValueError("a sequence-parallel slice needs its rope_position_ids")
@@ -129,15 +78,11 @@ class VisionLanguage(nn.Module):
                 input_ids, image_grid_thw, self.args.image_token_id, merge, position_ids
             )
         if shard is None or pixel_values is None:
-            embeddings = self.embed(input_ids, pixel_values, image_grid_thw)
-        elif fusion_input_ids is None:
+            return self.embed(input_ids, pixel_values, image_grid_thw), rope_position_ids
+        if fusion_input_ids is None:
             raise ValueError("a sequence-parallel slice with images needs fusion_input_ids")
-        else:
-            embeddings = self.embed(fusion_input_ids, pixel_values, image_grid_thw)
-            embeddings = embeddings[:, shard.start : shard.start + input_ids.shape[1]]
-        return self._hidden_states(
-            input_ids, position_ids, docs, cache, shard, embeddings, rope_position_ids
-        )
+        embeddings = self.embed(fusion_input_ids, pixel_values, image_grid_thw)
+        return embeddings[:, shard.start : shard.start + input_ids.shape[1]], rope_position_ids
 
 
 class Qwen3_5VLTransformer(VisionLanguage, Qwen3_5Transformer):
