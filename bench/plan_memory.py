@@ -127,10 +127,11 @@ def _measure(recipe: str, folder: str, argv: list[str]) -> tuple[float, float, t
 
 
 def _routed(model: torch.nn.Module) -> torch.Tensor:
-    from temper.models.layers.moe import moe_layers
+    from temper.models.protocols import RoutedModel
 
-    counts = [m.routing.tokens_per_expert for m in moe_layers(model).values()]
-    return torch.stack(counts) if counts else torch.zeros(0, 0)
+    if not isinstance(model, RoutedModel):
+        return torch.zeros(0, 0)
+    return torch.stack([s.tokens_per_expert for s in model.routing()])
 
 
 def ep_imbalance(counts: torch.Tensor, ep: int) -> float:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from temper.models.layers.moe import RoutingStats
     from temper.models.layers.mtp import MTPLoss
 
 
@@ -19,10 +20,13 @@ class RoutedArgs(Protocol):
 
 @runtime_checkable
 class RoutedModel(Protocol):
-    """A mixture-of-experts model whose latest forward's routing gives a load-balancing loss
-    (unscaled) and the load imbalance (max over mean expert load)."""
+    """A mixture-of-experts model whose latest forward's routing (``routing``: its MoE layers'
+    statistics, collected from their outputs) gives a load-balancing loss (unscaled) and the
+    load imbalance (max over mean expert load)."""
 
     args: RoutedArgs
+
+    def routing(self) -> list[RoutingStats]: ...
 
     def aux_loss(self) -> torch.Tensor: ...
 

@@ -44,8 +44,9 @@ SAVED_OPS = {
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: CheckpointMode) -> None:
-    """Checkpoint every block in `mode`; `none` leaves them untouched. The recomputation
-    leaves the MoE layers' routing statistics as the forward wrote them (see `MoE.routing`).
+    """Checkpoint every block in `mode`; `none` leaves them untouched. The recomputation's
+    outputs are dropped, an MoE block's routing statistics among them (`MoE.forward`): the
+    forward's are the ones the decoder collected.
     `full` passes no context function at all: torch's default, the one Dynamo traces when a
     block is compiled whole."""
     if mode == "none":

@@ -17,7 +17,6 @@ from torch import nn
 
 from temper.models.layers.context import SequenceMixer
 from temper.models.layers.moe import moe_layers
-from temper.utils.compat import forward_side_effects_once
 from temper.utils.recompute import recomputed_whole
 
 
@@ -28,10 +27,8 @@ def apply_compile(
     around_ring: bool = False,
 ) -> None:
     """Compile each block's forward (after activation checkpointing, so it is traced too).
-
-    A checkpointed MoE block records its routing statistics in forward, a side effect that
-    torch.compile refuses inside a checkpoint unless told not to replay it in backward,
-    which is what eager does too (an eager recomputation finds them written, `MoE.routing`).
+    A block has no side effect to trace: an MoE block returns its routing statistics beside
+    its output (`MoE.forward`).
 
     ``around_dispatch`` (expert parallelism, whose all-to-all dispatch reads its split sizes
     on the host and cannot be traced) compiles each block's parts instead: every module but
@@ -51,8 +48,7 @@ def apply_compile(
                 compiled = torch.compile(part.forward, fullgraph=True, backend=backend)
                 part.forward = _inside(recomputed_whole, compiled)
         else:
-            compiled = torch.compile(block.forward, fullgraph=True, backend=backend)
-            block.forward = _inside(forward_side_effects_once, compiled)
+            block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
 
 
 def _parts_around(block: nn.Module, dispatch: bool, ring: bool) -> Iterator[nn.Module]:

@@ -13,33 +13,34 @@ import torch
 from torch import nn
 
 from temper.models.layers.moe import moe_layers
+from temper.models.protocols import RoutedModel
 from temper.parallel.collectives import all_reduce_sum
 
 
 class MoELoad:
     """Counts of the routed layers of ``model``, summed over the micro-batches (``add`` after
-    each forward) and, at ``summary``, over the ranks: the global batch's routing.
+    each forward, from the model's ``routing``) and, at ``summary``, over the ranks: the
+    global batch's routing.
 
     The counts stay on the device until ``summary``, the one host sync of a log step.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        named = moe_layers(model)
-        self.names = list(named)
-        self.layers = list(named.values())
+        self.names = list(moe_layers(model))
+        self.model = model if isinstance(model, RoutedModel) else None
         self._counts: torch.Tensor | None = None
         self._entropy: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.layers)
+        return bool(self.names) and self.model is not None
 
     def add(self) -> None:
         """Fold in the routing of each layer in the latest forward."""
-        if not self.layers:
+        if not self:
             return
-        stats = [m.routing for m in self.layers]
-        if any(s is None or s.entropy_sum is None for s in stats):
+        stats = self.model.routing()
+        if len(stats) != len(self.names) or any(s.entropy_sum is None for s in stats):
             raise RuntimeError("MoELoad.add before a forward of every MoE layer")
         counts = torch.stack([s.tokens_per_expert for s in stats])
         entropy = torch.stack([s.entropy_sum for s in stats])

@@ -76,17 +76,6 @@ def sac_ignores_profiler_annotations() -> None:
     )
 
 
-def forward_side_effects_once() -> Any:
-    """A context in which torch.compile lets an activation-checkpointed region set Python
-    state in forward (the MoE layers' routing statistics), applied once and not replayed by
-    the recomputation. Dynamo's settings: checked 2.11, 2.13. No public equivalent. Imported
-    here, not with this module: dynamo takes about a second to import, which the CLI's
-    ``--help`` and config errors do without."""
-    from torch._dynamo import config
-
-    return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
-
-
 def dynamic_size(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """``tensor`` with ``dim`` marked dynamic for torch.compile, which then traces one graph
     for every size of it instead of one per size, also under ``dynamic=False`` (the static
@@ -222,7 +211,6 @@ __all__ = [
     "dcp_memory_format",
     "dcp_storage_info",
     "dump_memory_snapshot",
-    "forward_side_effects_once",
     "foreach_mul_",
     "functional_all_reduce",
     "functional_all_to_all",

@@ -53,7 +53,7 @@ def _backward_ops(
     apply_activation_checkpointing([block], mode)
     x = torch.randn(2, 16, model.args.dim, device=device, dtype=dtype, requires_grad=True)
     cos, sin = rope_cos_sin(model.inv_freq, torch.arange(16, device=device)[None])
-    out = block(x, ForwardContext(cos, sin, backend=backend))
+    out, _ = block(x, ForwardContext(cos, sin, backend=backend))
     with _CountOps() as ops:
         out.square().sum().backward()
     return ops.counts, out.detach(), [x.grad, *(p.grad for p in block.parameters())]

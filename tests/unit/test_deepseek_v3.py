@@ -333,8 +333,8 @@ def test_training_forwards_count_the_load_the_model_update_reads() -> None:
     model.train()
     model(ids)
     model(ids)  # gradient accumulation: two micro-batches before one optimizer step
-    for moe in moes:
-        assert torch.equal(moe.router.load, 2 * moe.routing.tokens_per_expert)
+    for moe, stats in zip(moes, model.routing(), strict=True):
+        assert torch.equal(moe.router.load, 2 * stats.tokens_per_expert)
     loads = [moe.router.load.float() for moe in moes]
     assert isinstance(model, PostStepHook)
     model.after_optimizer_step()  # moves by args.expert_bias_update_rate

@@ -122,7 +122,7 @@ def test_mtp_loss_is_the_hand_composition_of_its_modules(packed: bool) -> None:
         x = depth.eh_proj(
             torch.cat([depth.enorm(model.tok_embeddings(next_ids)), depth.hnorm(h)], dim=-1)
         )
-        h = depth.block(x, ForwardContext(cos, sin, docs, "sdpa"))
+        h, _ = depth.block(x, ForwardContext(cos, sin, docs, "sdpa"))
         draft_logits = model.output(depth.norm(h))
         targets = _targets_by_hand(labels, positions, ahead)
         drafts = drafts + F.cross_entropy(

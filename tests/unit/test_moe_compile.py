@@ -1,5 +1,6 @@
 """``--compile.enable`` on MoE models: the blocks compile with ``fullgraph=True`` (the grouped
-GEMM is one opaque custom op, the routing statistics a forward-only side effect) and train as
+GEMM is one opaque custom op, the routing statistics an output beside the hidden state) and
+train as
 eager blocks do, under selective (as in the parity test's compile case) and full activation
 checkpointing; so do blocks compiled in parts around an eager dispatch (expert parallelism's).
 
@@ -22,9 +23,10 @@ from torch._dynamo.utils import counters
 
 from temper.models import build_model, materialize
 from temper.models.layers.experts import run_local
-from temper.models.layers.moe import MoE, moe_layers
+from temper.models.layers.moe import RoutingStats, moe_layers
 from temper.parallel.activation_checkpoint import CheckpointMode, apply_activation_checkpointing
 from temper.parallel.compile import apply_compile
+from temper.utils import compat
 
 
 def _eager_and_compiled(
@@ -46,26 +48,27 @@ def _eager_and_compiled(
     return eager, compiled
 
 
-def _train_once(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, list[MoE], Any]:
+def _train_once(
+    model: nn.Module, tokens: torch.Tensor
+) -> tuple[torch.Tensor, list[RoutingStats], Any]:
     logits = model(tokens)
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
     (loss + model.aux_loss()).backward()
-    moes = list(moe_layers(model).values())
-    return loss.detach(), moes, dict(model.named_parameters())
+    return loss.detach(), model.routing(), dict(model.named_parameters())
 
 
 def _assert_trains_alike(eager: nn.Module, compiled: nn.Module, tokens: torch.Tensor) -> None:
     """One step of each: the compiled blocks in whole graphs, the same loss, gradients and
     routing."""
-    eager_loss, eager_moes, eager_params = _train_once(eager, tokens)
-    loss, moes, params = _train_once(compiled, tokens)
+    eager_loss, eager_routing, eager_params = _train_once(eager, tokens)
+    loss, routing, params = _train_once(compiled, tokens)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for name, p in params.items():
         torch.testing.assert_close(p.grad, eager_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
-    for m, e in zip(moes, eager_moes, strict=True):
-        assert torch.equal(m.routing.tokens_per_expert, e.routing.tokens_per_expert)
-        torch.testing.assert_close(m.routing.prob_sum, e.routing.prob_sum, rtol=1e-5, atol=1e-6)
+    for m, e in zip(routing, eager_routing, strict=True):
+        assert torch.equal(m.tokens_per_expert, e.tokens_per_expert)
+        torch.testing.assert_close(m.prob_sum, e.prob_sum, rtol=1e-5, atol=1e-6)
     torch.compiler.reset()
 
 
@@ -100,3 +103,38 @@ def test_compiled_hybrid_blocks_give_eager_losses_gradients_and_routing(
     model = build_model("qwen3_5_moe", "debug", overrides=two_blocks)
     eager, compiled = _eager_and_compiled(model, mode, "inductor")
     _assert_trains_alike(eager, compiled, torch.randint(0, 2048, (2, 96)))
+
+
+def test_checkpointed_compiled_step_routes_as_the_plain_eager_step() -> None:
+    """The statistics are outputs, so a DeepSeek V3 step under full activation checkpointing
+    with compiled blocks (and no Dynamo setting for forward side effects: compat has none
+    left) gives the plain eager step's balancing loss, statistics, gradients and aux-loss-free
+    load, counted once per forward (an eager recomputation used to count it again)."""
+    assert "forward_side_effects_once" not in dir(compat)
+    torch.manual_seed(0)
+    plain = materialize(build_model("deepseek_v3", "debug"), torch.device("cpu"))
+    checked = copy.deepcopy(plain)
+    apply_activation_checkpointing(list(checked.layers), "full")
+    torch.compiler.reset()
+    counters.clear()
+    apply_compile(list(checked.layers), backend="aot_eager")
+    tokens = torch.randint(0, plain.args.vocab_size, (2, 32))
+    steps = []
+    for model in (plain, checked):
+        model.train()
+        logits = model(tokens)
+        aux = model.aux_loss()
+        (logits.float().square().mean() + aux).backward()
+        loads = [m.router.load for m in moe_layers(model).values()]
+        steps.append((aux.detach(), model.routing(), loads))
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    (want_aux, want, _), (aux, got, loads) = steps
+    torch.testing.assert_close(aux, want_aux, rtol=1e-6, atol=0)
+    for g, w, load in zip(got, want, loads, strict=True):
+        assert torch.equal(g.tokens_per_expert, w.tokens_per_expert)
+        torch.testing.assert_close(g.prob_sum, w.prob_sum, rtol=1e-5, atol=1e-6)
+        assert torch.equal(load, w.tokens_per_expert)
+    want_params = dict(plain.named_parameters())
+    for name, p in checked.named_parameters():
+        torch.testing.assert_close(p.grad, want_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    torch.compiler.reset()

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from PIL import Image
 from torch import nn
 
 from temper.config import Config, ConfigError, Job, Metrics, Model, Profiling, Training
-from temper.models.layers.moe import MoE, clear_routing
+from temper.models.layers.moe import MoE, RoutingStats, load_balancing_loss, load_imbalance
 from temper.trainer import Trainer, phases
 from temper.trainer.moe_load import MoELoad, load_heatmap, write_load
 from temper.trainer.phases import PhaseTimer
@@ -170,6 +171,10 @@ def test_profiling_rules_name_the_field() -> None:
 
 
 class TwoMoELayers(nn.Module):
+    """A ``RoutedModel``: it collects its layers' statistics per forward, as MoEDecoder does."""
+
+    args = SimpleNamespace(router_aux_loss_coef=0.0)
+
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
@@ -177,12 +182,23 @@ class TwoMoELayers(nn.Module):
         )
         for moe in self.layers:
             moe.init_weights(0.5, 0.5)
+        self.last_routing: list[RoutingStats] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        clear_routing(self)  # the owner of the forward, as MoEDecoder is
+        self.last_routing = []
         for moe in self.layers:
-            x = moe(x)
+            x, stats = moe(x)
+            self.last_routing.append(stats)
         return x
+
+    def routing(self) -> list[RoutingStats]:
+        return self.last_routing
+
+    def aux_loss(self) -> torch.Tensor:
+        return load_balancing_loss(self.last_routing)
+
+    def load_imbalance(self) -> torch.Tensor:
+        return load_imbalance(self.last_routing)
 
 
 def by_hand(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +219,7 @@ def test_moe_load_sums_micro_batches_against_the_routers_choices() -> None:
     with torch.no_grad():
         for _ in range(2):
             x = torch.randn(2, 5, 16)
-            inputs = [x, model.layers[0](x)]
+            inputs = [x, model.layers[0](x)[0]]
             model(x)
             load.add()
             for i, moe in enumerate(model.layers):

@@ -14,7 +14,7 @@ from temper.models.layers.init import depth_scaled_std
 from temper.models.layers.kv_cache import KVCache
 from temper.models.layers.mla import MLA
 from temper.models.layers.mlp import FeedForward
-from temper.models.layers.moe import MoE, moe_layers
+from temper.models.layers.moe import MoE, keep_routing, moe_layers
 from temper.models.layers.moe_decoder import MoEDecoder
 from temper.models.layers.mtp import MTPLoss, MultiTokenPredictor, mtp_loss
 from temper.models.layers.rope import rope_cos_sin
@@ -93,7 +93,8 @@ class DeepseekV3Transformer(MoEDecoder):
         embedded = self.tok_embeddings(input_ids)
         normed = []
         for k, depth in enumerate(self.mtp):
-            h = depth(h, embedded.roll(-(k + 1), dims=1), ctx)
+            h, stats = depth(h, embedded.roll(-(k + 1), dims=1), ctx)
+            keep_routing(self.last_routing, depth.block.feed_forward, stats)
             normed.append(depth.norm(h))
         return normed
 

@@ -32,7 +32,7 @@ from temper.models.layers.kv_cache import KVCache, LayerCache, StaticKVCache
 from temper.models.layers.moe import (
     MoE,
     RoutingStats,
-    clear_routing,
+    keep_routing,
     load_balancing_loss,
     load_imbalance,
     moe_layers,
@@ -40,6 +40,7 @@ from temper.models.layers.moe import (
 from temper.models.layers.mtp import MTPLoss
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
+from temper.models.layers.route_replay import RouterReplay
 from temper.models.layers.routers import (
     GroupLimitedRouter,
     GroupLimitedRouting,
@@ -102,16 +103,21 @@ class DeepseekV4Block(nn.Module):
         windows: Windows | None,
         cache: LayerCache | None = None,
         shard: SequenceShard | None = None,
-    ) -> torch.Tensor:
-        """``shard``: the streams are this rank's slice (cos, sin, doc_ids and windows span
-        the whole sequence); the experts' routing statistics leave its padding out."""
+        route: torch.Tensor | None = None,
+        record_routes: bool = False,
+    ) -> tuple[torch.Tensor, RoutingStats]:
+        """The streams after the block and its experts' routing statistics. ``shard``: the
+        streams are this rank's slice (cos, sin, doc_ids and windows span the whole sequence);
+        the statistics leave its padding out. ``route`` and ``record_routes``: router replay's
+        (``ForwardContext``'s fields of those names)."""
         x, post, comb = self.attention_hc(streams)
         out = self.attention(self.attention_norm(x), cos, sin, doc_ids, windows, cache, shard)
         streams = residual(streams, out, post, comb)
         x, post, comb = self.ffn_hc(streams)
         h = self.ffn_norm(x)
-        routed = self.feed_forward(h, ForwardContext(cos, sin, shard=shard))
-        return residual(streams, routed + self.shared_experts(h), post, comb)
+        ctx = ForwardContext(cos, sin, shard=shard, route=route, record_routes=record_routes)
+        routed, stats = self.feed_forward(h, ctx)
+        return residual(streams, routed + self.shared_experts(h), post, comb), stats
 
 
 def _attention(args: DeepseekV4Args, kind: str) -> CompressedAttention:
@@ -196,6 +202,10 @@ class DeepseekV4Transformer(nn.Module):
         main, compress = self._inv_freqs()
         self.register_buffer("inv_freq", main, persistent=False)
         self.register_buffer("compress_inv_freq", compress, persistent=False)
+        self.router_replay = RouterReplay()
+        """Router replay's routes to impose and record flag, for each forward's MoE layers."""
+        self.last_routing: list[RoutingStats] = []
+        """The routing statistics of the latest forward, one per layer."""
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run the fused ops as ``kernels`` says from now on (the shared decoder's contract)."""
@@ -262,7 +272,6 @@ class DeepseekV4Transformer(nn.Module):
                 "deepseek_v4 decodes with a growing KVCache on whole rows (no static cache, "
                 "no packed documents, no sequence-parallel slices)"
             )
-        clear_routing(self)
         b, s = input_ids.shape
         if position_ids is None:
             start = 0 if cache is None else cache.length
@@ -299,13 +308,35 @@ class DeepseekV4Transformer(nn.Module):
             router.token_ids = input_ids
         h = self.tok_embeddings(input_ids)
         streams = h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
-        layers = zip(self.layers, self.args.layer_types, caches, strict=True)
-        for layer, kind, layer_cache in layers:
-            streams = layer(streams, *rotary[kind], doc_ids, windows[kind], layer_cache, shard)
+        replay = self.router_replay.fields(self)
+        routes = replay.get("routes", (None,) * len(self.layers))
+        layers = zip(self.layers, self.args.layer_types, caches, routes, strict=True)
+        routing: list[RoutingStats] = []
+        for layer, kind, layer_cache, route in layers:
+            streams, stats = layer(
+                streams,
+                *rotary[kind],
+                doc_ids,
+                windows[kind],
+                layer_cache,
+                shard,
+                route,
+                replay["record_routes"],
+            )
+            keep_routing(routing, layer.feed_forward, stats)
+        self.last_routing = routing
+        self.router_replay.keep(routing)
         self.mtp_hidden, self._mtp_shard = [], shard
         if len(self.mtp) and cache is None and self.training:
             self.mtp_hidden = predict_ahead(
-                self.mtp, streams, self.tok_embeddings, input_ids, *rotary[SLIDING], doc_ids, shard
+                self.mtp,
+                streams,
+                self.tok_embeddings,
+                input_ids,
+                *rotary[SLIDING],
+                doc_ids,
+                shard,
+                self.last_routing,
             )
         return self.norm(self.hc_head(streams))
 
@@ -345,10 +376,9 @@ class DeepseekV4Transformer(nn.Module):
 
     def routing(self) -> list[RoutingStats]:
         """The routing of each MoE layer in the latest forward."""
-        stats = [m.routing for m in moe_layers(self).values() if m.routing is not None]
-        if not stats:
+        if not self.last_routing:
             raise RuntimeError("no routing statistics: run a forward first")
-        return stats
+        return self.last_routing
 
     def aux_loss(self) -> torch.Tensor:
         """The load-balancing loss of the latest forward, before ``router_aux_loss_coef``."""

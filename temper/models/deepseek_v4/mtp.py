@@ -34,6 +34,7 @@ from temper.data.batch import SequenceShard
 from temper.models.deepseek_v4.args import SLIDING, DeepseekV4Args
 from temper.models.layers.hyper_connections import HyperHead
 from temper.models.layers.init import init_linear
+from temper.models.layers.moe import RoutingStats, keep_routing
 from temper.models.layers.mtp import MTPLoss, draft_loss, mtp_loss, mtp_targets
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.sparse_attention import gather_sequence
@@ -76,9 +77,10 @@ class DeepseekV4MTP(nn.Module):
         sin: torch.Tensor,
         doc_ids: torch.Tensor,
         shard: SequenceShard | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, RoutingStats]:
         """streams [b, s, hc_mult, dim] and the next tokens' embeddings [b, s, dim] -> this
-        depth's streams (the next depth's input); the block's inputs as the main layers'."""
+        depth's streams (the next depth's input) and its experts' routing statistics; the
+        block's inputs as the main layers'."""
         x = self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
         return self.block(x, cos, sin, doc_ids, None, None, shard)
 
@@ -104,12 +106,15 @@ def predict_ahead(
     sin: torch.Tensor,
     doc_ids: torch.Tensor,
     shard: SequenceShard | None,
+    routing: list[RoutingStats],
 ) -> list[torch.Tensor]:
-    """Each depth's normed hidden state [b, s, dim] from the main model's last streams."""
+    """Each depth's normed hidden state [b, s, dim] from the main model's last streams; each
+    depth's routing statistics join ``routing`` (the forward's, ``keep_routing``)."""
     normed = []
     for k, depth in enumerate(depths):
         embedded = embedding(shifted_ids(input_ids, k + 1, shard))
-        streams = depth(streams, embedded, cos, sin, doc_ids, shard)
+        streams, stats = depth(streams, embedded, cos, sin, doc_ids, shard)
+        keep_routing(routing, depth.block.feed_forward, stats)
         normed.append(depth.norm(depth.hc_head(streams)))
     return normed
 

@@ -60,6 +60,14 @@ class ForwardContext:
     """[b, s_q, t] True at the keys each query attends to: sparse attention's top-k choice
     (DeepSeek V3.2), set by that layer for its ``mix_heads`` (every query of the whole
     sequence under sequence parallelism; the new tokens against the cache when decoding)."""
+    routes: tuple[torch.Tensor | None, ...] = ()
+    """Router replay: each block's experts to impose, [b, s, top_k] (None for a block without
+    routed experts); empty: the routers choose."""
+    route: torch.Tensor | None = None
+    """This layer's experts to impose (``layer(i)`` sets it from ``routes``)."""
+    record_routes: bool = False
+    """MoE layers return the experts they routed to with their statistics (router replay's
+    record, ``RoutingStats.experts``)."""
 
     @property
     def valid_len(self) -> int | None:
@@ -67,10 +75,15 @@ class ForwardContext:
         return None if self.shard is None else self.shard.valid_len
 
     def layer(self, index: int) -> ForwardContext:
-        """Layer ``index``'s view: the same context with that layer's cache, if decoding."""
-        if not self.caches:
+        """Layer ``index``'s view: the same context with that layer's cache, if decoding, and
+        its routes to replay, if any."""
+        if not self.caches and not self.routes:
             return self
-        return dataclasses.replace(self, cache=self.caches[index])
+        return dataclasses.replace(
+            self,
+            cache=self.caches[index] if self.caches else None,
+            route=self.routes[index] if self.routes else None,
+        )
 
     def heads(self, per_head: torch.Tensor) -> torch.Tensor:
         """The rows of a per-head weight [n_heads, ...] that belong to this ``head_part``."""

@@ -10,9 +10,12 @@ state dict. Under sequence parallelism the decoder runs on a slice of each seque
 told so by a ``SequenceShard`` argument.
 
 Each forward builds one ``ForwardContext`` (rotary tables, documents, backend, the slice, the
-kernel choices, the KV cache) and hands every block its layer's view; blocks call their
-sublayers ``(x, ctx)``. The kernel choices are the model's own (``use_kernels``, which an Engine
-calls with its run's): a model nobody configured runs every op's reference.
+KV cache, the kernel choices, router replay's routes) and hands every block its layer's view;
+blocks call their sublayers ``(x, ctx)``. A block returns its output and, if its MLP is a
+mixture of experts, that layer's ``RoutingStats``; the decoder collects them at its top level,
+outside any checkpointed or compiled block, into ``last_routing``. The kernel choices are the
+model's own (``use_kernels``, which an Engine calls with its run's): a model nobody configured
+runs every op's reference.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from temper.models.layers.context import ForwardContext
 from temper.models.layers.init import depth_scaled_std
 from temper.models.layers.kv_cache import KVCache
 from temper.models.layers.mlp import FeedForward
+from temper.models.layers.moe import MoE, RoutingStats, keep_routing
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
+from temper.models.layers.route_replay import RouterReplay
 
 INIT_STD = 0.02
 
@@ -52,10 +57,17 @@ class Block(nn.Module):
         self.feed_forward = feed_forward
         self.attention_norm = norm_cls(args.dim, args.norm_eps)
         self.ffn_norm = norm_cls(args.dim, args.norm_eps)
+        self.routed = isinstance(feed_forward, MoE)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, RoutingStats | None]:
+        """The block's output and its MoE layer's routing statistics (None for a dense MLP)."""
         h = x + self.attention(self.attention_norm(x, ctx.kernels), ctx)
-        return h + self.feed_forward(self.ffn_norm(h, ctx.kernels), ctx)
+        if not self.routed:
+            return h + self.feed_forward(self.ffn_norm(h, ctx.kernels), ctx), None
+        out, stats = self.feed_forward(self.ffn_norm(h, ctx.kernels), ctx)
+        return h + out, stats
 
 
 class Decoder(nn.Module):
@@ -88,6 +100,10 @@ class Decoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Derived from args, never checkpointed: init_weights recomputes it after to_empty.
         self.register_buffer("inv_freq", self.rope_inv_freq(), persistent=False)
+        self.router_replay = RouterReplay()
+        """Router replay's routes to impose and record flag, put in each forward's context."""
+        self.last_routing: list[RoutingStats] = []
+        """The routing statistics of the latest forward, one per MoE layer that ran."""
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run the fused ops as ``kernels`` says from now on: an Engine's choices, resolved for
@@ -202,7 +218,9 @@ class Decoder(nn.Module):
                 window=self.sliding_window,
                 sinks=self.attention_sinks,
             )
-            ctx = ForwardContext(cos, sin, docs, backend, shard, self.kernels)
+            ctx = ForwardContext(
+                cos, sin, docs, backend, shard, self.kernels, **self.router_replay.fields(self)
+            )
         elif docs is not None or shard is not None:
             raise ValueError(
                 "a KV cache decodes whole rows; packed documents and sequence-parallel slices "
@@ -210,9 +228,20 @@ class Decoder(nn.Module):
             )
         else:
             caches = tuple(cache.extend(h.shape[1]))
-            ctx = ForwardContext(cos, sin, backend="sdpa", kernels=self.kernels, caches=caches)
+            ctx = ForwardContext(
+                cos,
+                sin,
+                backend="sdpa",
+                kernels=self.kernels,
+                caches=caches,
+                **self.router_replay.fields(self),
+            )
+        routing: list[RoutingStats] = []
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx.layer(i))
+            h, stats = layer(h, ctx.layer(i))
+            keep_routing(routing, layer.feed_forward, stats)
+        self.last_routing = routing
+        self.router_replay.keep(routing)
         return self.norm(h, self.kernels)
 
     def forward(

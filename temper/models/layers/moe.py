@@ -1,6 +1,11 @@
 """Token-choice mixture of SwiGLU experts: the layer, its routing statistics and the
 load-balancing loss they give.
 
+The statistics are an output of the layer (``MoE.forward`` returns them beside its hidden
+state), not state it keeps: an activation checkpoint's recomputation runs the layer again and
+its second output is simply dropped, and torch.compile traces the layer with no side effect.
+The decoder collects them per forward (``temper.models.layers.moe_decoder``).
+
 The forward is separable steps: route (``temper.models.layers.routers``), ``permute`` tokens
 by expert, grouped GEMMs over the stacked expert weights (``temper.models.layers.experts``),
 weighted ``unpermute``. An expert-parallel dispatcher sits between ``permute`` and the
@@ -9,7 +14,7 @@ experts without touching the math on either side.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,9 +35,11 @@ from temper.models.layers.routers import GroupLimitedRouter, GroupLimitedRouting
 from temper.utils.compat import functional_all_reduce
 
 
-@dataclass
-class RoutingStats:
-    """One MoE layer's routing in one forward: what the load-balancing loss reads."""
+class RoutingStats(NamedTuple):
+    """One MoE layer's routing in one forward, over its real tokens (a sequence-parallel
+    slice's padding left out): what the load-balancing loss, the aux-loss-free bias update and
+    an observer read. A pytree of tensors (and one int), so activation checkpointing,
+    torch.compile and FSDP pass it through as they pass the hidden state."""
 
     tokens_per_expert: torch.Tensor
     """[n_experts] int64 count of top-k assignments (no gradient)."""
@@ -42,10 +49,13 @@ class RoutingStats:
     entropy_sum: torch.Tensor | None = None
     """[] fp32 entropy (nats) of each token's router probabilities, summed (no gradient):
     what an observer of the routing reads (temper.trainer.moe_load)."""
+    experts: torch.Tensor | None = None
+    """[b, s, top_k] the experts each token went to, padding included, when the forward's
+    context asks for them (``ForwardContext.record_routes``: router replay's record)."""
 
 
 class MoE(nn.Module):
-    """Router plus grouped experts; keeps the current forward's ``routing`` statistics.
+    """Router plus grouped experts; ``forward`` returns the output and its ``RoutingStats``.
 
     ``group_limited`` selects DeepSeek V3's router instead of the softmax top-k. With
     ``shared_hidden_dim``, a shared SwiGLU of that width sees every token and adds to the
@@ -54,7 +64,8 @@ class MoE(nn.Module):
     replace the built-in ones (gpt-oss's, ``temper.models.layers.clamped_moe``), with the same
     call contracts (a router takes the ``experts`` to replay, see ``TopKRouter``).
 
-    Router replay (``temper.models.layers.route_replay``) sets ``record`` or ``replay``.
+    Router replay (``temper.models.layers.route_replay``) comes in through the forward's
+    context: ``ctx.route`` imposes the experts, ``ctx.record_routes`` returns them.
     """
 
     def __init__(
@@ -83,18 +94,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, n_experts) if experts is None else experts
         self.shared_experts = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
-        self.routing: RoutingStats | None = None
-        """The routing statistics of the current forward, written by the layer's first run
-        after whoever owns the forward cleared them (``MoEDecoder`` at each forward: see
-        ``clear_routing``). A run that finds them written leaves them: an activation
-        checkpoint's recomputation in backward runs the layer again on the same tokens, and
-        its statistics, unused, would hold the block's recomputed graph alive."""
         self._dispatcher: ExpertDispatcher = run_local
-        self.record: list[torch.Tensor] | None = None
-        """With a list, each forward appends the experts it routed to, [b, s, top_k]."""
-        self.replay: torch.Tensor | None = None
-        """[b, s, top_k] experts that each token of the next forwards goes to, instead of
-        the router's choice (its weights still come from the router)."""
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.router.init_weights(std)
@@ -110,52 +110,52 @@ class MoE(nn.Module):
         ``run_local`` by default."""
         self._dispatcher = dispatcher
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """x [b, s, dim]; the routing statistics and the balancing router's load leave out
-        the right padding of a sequence-parallel slice (after ``ctx.valid_len`` tokens of
-        each row)."""
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext | None = None
+    ) -> tuple[torch.Tensor, RoutingStats]:
+        """x [b, s, dim] -> the output [b, s, dim] and this forward's routing statistics, which
+        leave out the right padding of a sequence-parallel slice (after ``ctx.valid_len``
+        tokens of each row). ``ctx.route`` [b, s, top_k] replaces the router's choice."""
         valid_len = None if ctx is None else ctx.valid_len
         tokens = x.reshape(-1, x.shape[-1])
-        probs, weights, experts = self.router(tokens, self._replayed(x))
-        if self.record is not None:
-            self.record.append(experts.view(*x.shape[:2], -1))
+        probs, weights, experts = self.router(tokens, _replayed(x, ctx))
         impl = None if ctx is None else ctx.kernels.moe_permute
         rows, order, counts = permute(tokens, experts, self.n_experts, impl)
         out = self._dispatcher(self.experts, rows, counts)
-        real_experts = experts if valid_len is None else _real(x.shape[:2], valid_len, experts)
-        if isinstance(self.router, GroupLimitedRouter):
-            self.router.count(real_experts)
-        if self.routing is None:
-            if valid_len is None:
-                self.routing = RoutingStats(
-                    counts, probs.sum(dim=0), tokens.shape[0], _entropy_sum(probs)
-                )
-            else:
-                real_probs = _real(x.shape[:2], valid_len, probs)
-                self.routing = RoutingStats(
-                    tokens_per_expert(real_experts, self.n_experts),
-                    real_probs.sum(dim=(0, 1)),
-                    real_probs.shape[0] * real_probs.shape[1],
-                    _entropy_sum(real_probs),
-                )
+        recorded = experts.view(*x.shape[:2], -1) if ctx is not None and ctx.record_routes else None
+        if valid_len is None:
+            stats = RoutingStats(
+                counts, probs.sum(dim=0), tokens.shape[0], _entropy_sum(probs), recorded
+            )
+        else:
+            real_probs = _real(x.shape[:2], valid_len, probs)
+            stats = RoutingStats(
+                tokens_per_expert(_real(x.shape[:2], valid_len, experts), self.n_experts),
+                real_probs.sum(dim=(0, 1)),
+                real_probs.shape[0] * real_probs.shape[1],
+                _entropy_sum(real_probs),
+                recorded,
+            )
         out = unpermute(out, order, weights, impl).view_as(x)
         if self.shared_experts is not None:
             shared = self.shared_experts(x, ctx)
             if self.shared_gate is not None:
                 shared = self.shared_gate(x).sigmoid() * shared
             out = out + shared
-        return out
+        return out, stats
 
-    def _replayed(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``replay`` as [tokens, top_k] int64 for the router; None without one."""
-        if self.replay is None:
-            return None
-        if self.replay.shape[:2] != x.shape[:2]:
-            raise ValueError(
-                f"router replay: routes for [b, s] = {list(self.replay.shape[:2])} but the "
-                f"forward has {list(x.shape[:2])}"
-            )
-        return self.replay.reshape(-1, self.replay.shape[-1]).long()
+
+def _replayed(x: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor | None:
+    """The context's ``route`` as [tokens, top_k] int64 for the router; None without one."""
+    route = None if ctx is None else ctx.route
+    if route is None:
+        return None
+    if route.shape[:2] != x.shape[:2]:
+        raise ValueError(
+            f"router replay: routes for [b, s] = {list(route.shape[:2])} but the "
+            f"forward has {list(x.shape[:2])}"
+        )
+    return route.reshape(-1, route.shape[-1]).long()
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
@@ -163,11 +163,20 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
 
 
-def clear_routing(model: nn.Module) -> None:
-    """Start a forward: each MoE layer of ``model`` records its routing afresh on its next
-    run (and only on that one, see ``MoE.routing``)."""
-    for layer in moe_layers(model).values():
-        layer.routing = None
+def keep_routing(routing: list[RoutingStats], moe: nn.Module, stats: RoutingStats | None) -> None:
+    """Collect the statistics ``stats`` of the MoE layer ``moe`` in one forward (None: a dense
+    block's, nothing to keep) into ``routing``. The decoder calls it at its top level, outside
+    any checkpointed or compiled block. In a training forward with autograd on it also adds the
+    real tokens' assignments to the ``load`` of a balancing router (``GroupLimitedRouter``;
+    other routers keep none): counted here, once per forward, a recomputation never counts
+    them again. Padding stays out: counted, it would pull the bias of the experts padding goes
+    to, and one process, without that padding, would move it differently."""
+    if stats is None:
+        return
+    routing.append(stats)
+    router = moe.router
+    if isinstance(router, GroupLimitedRouter) and router.training and torch.is_grad_enabled():
+        router.load += stats.tokens_per_expert
 
 
 def _real(rows: torch.Size, valid_len: int, per_token: torch.Tensor) -> torch.Tensor:

@@ -4,40 +4,26 @@ parameters). A family states only which layers are MoE and how (``feed_forward``
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from temper.models.layers.decoder import Decoder
-from temper.models.layers.moe import (
-    RoutingStats,
-    clear_routing,
-    load_balancing_loss,
-    load_imbalance,
-    moe_layers,
-)
+from temper.models.layers.moe import RoutingStats, load_balancing_loss, load_imbalance, moe_layers
 
 
 class MoEDecoder(Decoder):
     """A ``Decoder`` with MoE MLPs in some layers; its args carry ``top_k`` and ``n_experts``.
 
-    It owns its layers' routing statistics: each forward clears them first, so they are that
-    forward's, written once per layer whatever an activation checkpoint recomputes. They give
-    ``aux_loss`` (load balancing, before the family's ``router_aux_loss_coef``) and
-    ``load_imbalance``, which the causal-LM objective reads."""
-
-    def _hidden_states(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The decoder's, with the routing statistics of an earlier forward cleared first."""
-        clear_routing(self)
-        return super()._hidden_states(*args, **kwargs)
+    Its blocks return their MoE layers' routing statistics and each forward collects them
+    (``last_routing``), so they are that forward's, whatever an activation checkpoint
+    recomputes. They give ``aux_loss`` (load balancing, before the family's
+    ``router_aux_loss_coef``) and ``load_imbalance``, which the causal-LM objective reads."""
 
     def routing(self) -> list[RoutingStats]:
         """The routing of each MoE layer that ran in the latest forward (DeepSeek's
         multi-token-prediction depths run in training mode only)."""
-        stats = [m.routing for m in moe_layers(self).values() if m.routing is not None]
-        if not stats:
+        if not self.last_routing:
             raise RuntimeError("no routing statistics: run a forward with MoE layers first")
-        return stats
+        return self.last_routing
 
     def aux_loss(self) -> torch.Tensor:
         """The load-balancing loss of the latest forward, before ``router_aux_loss_coef``."""

@@ -25,6 +25,7 @@ from temper.kernels.cross_entropy import linear_log_probs
 from temper.models.layers.context import ForwardContext
 from temper.models.layers.decoder import Block
 from temper.models.layers.init import init_linear
+from temper.models.layers.moe import RoutingStats
 from temper.models.layers.norm import RMSNorm
 
 
@@ -50,9 +51,10 @@ class MultiTokenPredictor(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, RoutingStats | None]:
         """hidden [b, s, dim] and the next tokens' embeddings [b, s, dim] -> this depth's
-        hidden state [b, s, dim] (before ``norm``; the next depth's input)."""
+        hidden state [b, s, dim] (before ``norm``; the next depth's input) and its block's
+        routing statistics (``Block``'s)."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         return self.block(x, ctx)
 

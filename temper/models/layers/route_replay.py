@@ -11,23 +11,62 @@ load-balancing loss, the expert load) count the replayed choices.
 
 Routes are [rows, width, moe_layers, top_k] in ``ROUTE_DTYPE``, one entry per MoE layer of
 the decoder's blocks (``model.layers``) in order.
+
+Both directions pass through the forward, never through the layers' attributes: the routes to
+impose go in through each forward's ``ForwardContext`` (the decoder puts its
+``router_replay`` there), so an activation checkpoint's recomputation, which reruns a block
+with the context its forward had, routes as that forward did; the routes taken come out with
+the layers' statistics (``RoutingStats.experts``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from temper.models.layers.moe import MoE, moe_layers
+from temper.models.layers.moe import MoE, RoutingStats, moe_layers
 
 ROUTES = "routes"
 """A batch's field of routes to replay, [b, s, moe_layers, top_k]."""
 
 ROUTE_DTYPE = torch.int16
 """Expert ids as stored in a batch and a checkpoint (any expert count below 32768)."""
+
+
+@dataclass
+class RouterReplay:
+    """A decoder's router-replay inputs (its ``router_replay``), set by the scopes below and
+    put into each of its forwards' ``ForwardContext``."""
+
+    routes: torch.Tensor | None = None
+    """[b, s, moe_layers, top_k]: the experts the next forwards impose (None: the routers
+    choose)."""
+    record: list[list[torch.Tensor]] | None = None
+    """With a list per MoE layer of the blocks, each forward's MoE layers return the experts
+    they routed to (``RoutingStats.experts``) and ``keep`` appends them, [b, s, top_k]."""
+
+    def fields(self, model: nn.Module) -> dict[str, Any]:
+        """``ForwardContext``'s router-replay fields for a forward of ``model``'s blocks: each
+        block's routes [b, s, top_k] (None for a block without routed experts) and the record
+        flag."""
+        record = self.record is not None
+        if self.routes is None:
+            return {"record_routes": record}
+        routes = iter(self.routes.unbind(2))
+        per_block = tuple(next(routes) if moe_layers(block) else None for block in model.layers)
+        return {"routes": per_block, "record_routes": record}
+
+    def keep(self, routing: list[RoutingStats]) -> None:
+        """After a forward, while recording: append the experts in ``routing`` (the forward's
+        statistics, the blocks' MoE layers first) to each layer's list."""
+        if self.record is not None:
+            for own, stats in zip(self.record, routing[: len(self.record)], strict=True):
+                own.append(stats.experts)
 
 
 def routed_layers(model: nn.Module) -> list[MoE]:
@@ -45,16 +84,15 @@ def routed_layers(model: nn.Module) -> list[MoE]:
 @contextmanager
 def recording_routes(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
     """Inside, every forward of ``model`` appends each MoE layer's experts [b, s, top_k] to
-    that layer's list (the yielded list of lists, one per layer); see ``stacked``."""
-    layers = routed_layers(model)
-    record: list[list[torch.Tensor]] = [[] for _ in layers]
-    for layer, own in zip(layers, record, strict=True):
-        layer.record = own
+    that layer's list (the yielded list of lists, one per layer); see ``stacked``. The layers
+    return them with their statistics, and the decoder keeps them (``RouterReplay.keep``)."""
+    record: list[list[torch.Tensor]] = [[] for _ in routed_layers(model)]
+    before = model.router_replay.record
+    model.router_replay.record = record
     try:
         yield record
     finally:
-        for layer in layers:
-            layer.record = None
+        model.router_replay.record = before
 
 
 def stacked(record: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -67,8 +105,8 @@ def stacked(record: list[list[torch.Tensor]]) -> torch.Tensor:
 def replaying_routes(model: nn.Module, routes: torch.Tensor | None) -> Iterator[None]:
     """Inside, ``model``'s forwards on [b, s] tokens route them as ``routes``
     [b, s, moe_layers, top_k] say (None: as the router chooses). Whatever was replayed before
-    is restored on exit, so the scopes nest (a loss inside the step's forward-and-backward
-    scope, whose activation-checkpoint recomputation must replay the same routes)."""
+    is restored on exit, so the scopes nest. Only the forward needs the scope: an activation
+    checkpoint's recomputation reuses its forward's context, routes included."""
     if routes is None:
         yield
         return
@@ -78,11 +116,9 @@ def replaying_routes(model: nn.Module, routes: torch.Tensor | None) -> Iterator[
             f"router replay: routes of shape {list(routes.shape)} for a model with "
             f"{len(layers)} MoE layers (want [b, s, {len(layers)}, top_k])"
         )
-    before = [layer.replay for layer in layers]
-    for i, layer in enumerate(layers):
-        layer.replay = routes[:, :, i]
+    before = model.router_replay.routes
+    model.router_replay.routes = routes
     try:
         yield
     finally:
-        for layer, replay in zip(layers, before, strict=True):
-            layer.replay = replay
+        model.router_replay.routes = before

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from temper.models.layers.experts import tokens_per_expert
 from temper.models.layers.init import init_linear
 
 Scoring = Literal["sigmoid", "sqrtsoftplus"]
@@ -89,8 +88,9 @@ class GroupLimitedRouter(nn.Module):
 
     ``expert_bias`` (HF's ``e_score_correction_bias``) is the auxiliary-loss-free balancing
     term: it steers the choice and never the weights, so it needs no gradient, and
-    ``update_expert_bias`` moves it against the load that the MoE layer adds to ``load``
-    (``count``) from its real tokens while training.
+    ``update_expert_bias`` moves it against ``load``, the real tokens' assignments that the
+    decoder adds from each training forward's routing statistics
+    (``temper.models.layers.moe.count_load``).
     """
 
     def __init__(
@@ -127,16 +127,6 @@ class GroupLimitedRouter(nn.Module):
         weights = chosen_weights(scores, experts, self.norm_topk_prob, self.scaling_factor)
         probs = scores / scores.sum(dim=-1, keepdim=True)
         return probs, weights.to(x.dtype), experts
-
-    def count(self, experts: torch.Tensor) -> None:
-        """Add the choices ``experts`` [..., k] of real tokens to ``load`` (in training mode
-        with autograd on only). The caller leaves padding out: counted, it would pull the
-        bias of the experts padding goes to, and one process, without that padding, would
-        move it differently. An activation checkpoint's recomputation counts a layer's tokens
-        twice (eager; a compiled block counts them once), which scales all of that layer's
-        counts alike and so leaves the sign of each bias update unchanged."""
-        if self.training and torch.is_grad_enabled():
-            self.load += tokens_per_expert(experts, self.load.numel())
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The top k experts [n, k] by biased affinity within each token's best groups."""
