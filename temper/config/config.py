@@ -551,6 +551,11 @@ class Kernels:
     """LM head and loss in chunks of tokens, the gradient computed chunk by chunk with the
     loss, so the full [tokens, vocab] logits and their gradient never exist; False computes
     full logits."""
+    fused_ring_attention: bool = True
+    """Context parallelism's ring attention runs each K/V block through torch's fused
+    attention kernel that returns the log-sum-exp (flash on CPU; flash for fp16/bf16 on
+    CUDA) where causal order alone decides the block; False runs the plain-PyTorch tiles
+    (the reference) for every block."""
     cross_entropy_chunk: int = 0
     """Tokens per chunk of the fused cross-entropy (memory grows with chunk x vocab); 0 picks
     by device: 512 on CPU, where larger chunks measured no faster and a chunk's logits add to

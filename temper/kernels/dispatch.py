@@ -36,7 +36,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-REFERENCE = Kernels(fused_cross_entropy=False, **dict.fromkeys(OPS, "reference"))
+REFERENCE = Kernels(
+    fused_cross_entropy=False, fused_ring_attention=False, **dict.fromkeys(OPS, "reference")
+)
 """Every op's plain-PyTorch reference and full logits: what an unconfigured model runs."""
 
 

@@ -16,13 +16,26 @@ row's denominator once, after the merge, never once per block.
 The backward is a custom autograd function: the forward keeps only the local q, k, v, output
 and log-sum-exp; the backward passes K and V around the ring again together with their
 gradient accumulators, recomputing each block's probabilities from the saved log-sum-exp (as
-flash attention's backward does), so every rank's dK and dV come home after ``cp`` shifts. The
-next block's transfer (batched isend/irecv) is posted before the current block's compute.
+flash attention's backward does), so every rank's dK and dV come home after ``cp`` shifts.
 
-This is the plain-PyTorch reference (scores in fp32, a tile of queries at a time so that no
-more than ``tile_scores`` of them exist at once, whatever the context length; on any device
-and gloo);
-fused per-block kernels (flash/varlen on GPU) are not built yet.
+Overlap: the next block's transfer (batched isend/irecv) is posted before the current block's
+compute, forward and backward; in the backward each block's dK and dV are computed on their
+own and added to the accumulator that arrived meanwhile (sent by the previous rank after its
+own compute), so that transfer overlaps a block's compute too. ``overlap=False`` waits for
+each transfer before computing (the same numbers, in series: for comparison).
+
+Per block, two kernels (``fused``): torch's fused attention kernel that returns the
+log-sum-exp (``temper.utils.compat.fused_attention_forward``: flash on CPU, flash on CUDA for
+fp16/bf16), or the plain-PyTorch reference (scores in fp32, a tile of queries at a time so
+that no more than ``tile_scores`` of them exist at once, whatever the context length). The
+fused kernel takes no mask, only causal order, so it runs the blocks that causal order alone
+decides: the rank's own block (square, causal) and every other block's visible rectangle
+(which the load-balanced layout makes whole: all of this rank's queries over the first half
+of an earlier rank's keys, or this rank's later half of queries over all of a later rank's),
+when no document starts inside the columns involved and the sliding window (if any) covers
+them all. Blocks with a document boundary or a window cut, and heads the kernel cannot take
+(MLA's value head narrower than q's is padded with zeros; a wider one or fp32 on CUDA is
+not), run the reference, in the same ring.
 """
 
 from __future__ import annotations
@@ -32,8 +45,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from temper.kernels.attention import DocumentMask
+from temper.utils.compat import (
+    fused_attention_backward,
+    fused_attention_forward,
+    fused_attention_runs,
+)
 
 
 def load_balanced_indices(
@@ -61,6 +80,8 @@ def ring_attention(
     scale: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    fused: bool = True,
+    overlap: bool = True,
     tile_scores: int = 2**24,
 ) -> torch.Tensor:
     """Causal (block-causal with ``docs``) attention of this rank's queries over the whole
@@ -70,9 +91,11 @@ def ring_attention(
     multiple of h_kv; d_v may differ from d, as in MLA); ``docs`` is the whole sequence's
     mask ([b, s * cp], global order), None for one document per row. ``scale``, ``window``
     and ``sinks`` [h] mean what they mean for ``temper.kernels.attention.attention``, with
-    columns counted globally. ``tile_scores``: the most scores computed at once (2^24 fp32:
-    64 MiB, and as much again for their probabilities), which sets how many queries a tile
-    holds.
+    columns counted globally. ``fused``: torch's fused kernel for the blocks it can run
+    (module docstring), else the reference for every block. ``overlap``: each transfer in
+    flight during a block's compute (False: waited for first). ``tile_scores``: the most
+    scores the reference computes at once (2^24 fp32: 64 MiB, and as much again for their
+    probabilities), which sets how many queries a tile holds.
     Returns [b, s, h, d_v] in q's dtype.
     """
     size = dist.get_world_size(group)
@@ -86,7 +109,8 @@ def ring_attention(
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     doc_ids = None if docs is None else docs.doc_ids
-    ring = _Ring(group, q, doc_ids, window, tile_scores)
+    fused = fused and v.shape[-1] <= q.shape[-1] and fused_attention_runs(q)
+    ring = _Ring(group, q, doc_ids, window, tile_scores, fused, overlap)
     return _RingAttention.apply(q, k, v, sinks, ring, scale)
 
 
@@ -112,15 +136,22 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             receive = ring.shift(block) if step < ring.size - 1 else None
             source = ring.source(step)
-            keys, values = (t.float() for t in block)
-            for rows, end in ring.tiles(source):
-                scores = ring.scores(q5[:, rows], keys[:, :end], source, scale, rows)
-                block_lse = scores.logsumexp(dim=-1)
-                probs = torch.exp(scores - _finite(block_lse)[..., None])
-                block_out = torch.einsum("bhgqk,bkhe->bqhge", probs, values[:, :end])
+            if ring.fused[source]:
+                rows, end, causal = ring.rectangle(source)
+                block_out, block_lse = _fused_block(q, *block, rows, end, causal, scale)
                 out[:, rows], lse[..., rows] = _merge(
                     out[:, rows], lse[..., rows], block_out, block_lse
                 )
+            else:
+                keys, values = (t.float() for t in block)
+                for rows, end in ring.tiles(source):
+                    scores = ring.scores(q5[:, rows], keys[:, :end], source, scale, rows)
+                    block_lse = scores.logsumexp(dim=-1)
+                    probs = torch.exp(scores - _finite(block_lse)[..., None])
+                    block_out = torch.einsum("bhgqk,bkhe->bqhge", probs, values[:, :end])
+                    out[:, rows], lse[..., rows] = _merge(
+                        out[:, rows], lse[..., rows], block_out, block_lse
+                    )
             if receive is not None:
                 block = receive()
         if sinks is not None:
@@ -138,27 +169,43 @@ class _RingAttention(torch.autograd.Function):
         ring: _Ring = ctx.ring
         scale: float = ctx.scale
         q5 = _grouped(q, k.shape[2]).float()
-        d_out = grad_out.float().view(out.shape)
+        grad_out = grad_out.reshape(out.shape)
+        d_out = grad_out.float()
         # The softmax backward's row term: sum_j p_j (dO . v_j) = dO . O.
         delta = (d_out * out.float()).sum(dim=-1).permute(0, 2, 3, 1)
         dq = torch.zeros_like(q5)
         block = [k, v]
-        grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        arriving: Callable[[], list[torch.Tensor]] | None = None
         for step in range(ring.size):
             receive = ring.shift(block) if step < ring.size - 1 else None
             source = ring.source(step)
-            keys, values = (t.float() for t in block)
-            for rows, end in ring.tiles(source):
-                scores = ring.scores(q5[:, rows], keys[:, :end], source, scale, rows)
-                probs = torch.exp(scores - lse[..., rows, None])
-                d_probs = torch.einsum("bqhge,bkhe->bhgqk", d_out[:, rows], values[:, :end])
-                d_scores = probs * (d_probs - delta[..., rows, None])
-                dq[:, rows] += torch.einsum("bhgqk,bkhd->bqhgd", d_scores, keys[:, :end]) * scale
-                d_keys = torch.einsum("bhgqk,bqhgd->bkhd", d_scores, q5[:, rows]) * scale
+            grads = [torch.zeros_like(t, dtype=torch.float32) for t in block]
+            if ring.fused[source]:
+                rows, end, causal = ring.rectangle(source)
+                block_dq, d_keys, d_values = _fused_block_backward(
+                    grad_out, q, *block, out, lse, rows, end, causal, scale
+                )
+                dq[:, rows] += block_dq
                 grads[0][:, :end] += d_keys
-                grads[1][:, :end] += torch.einsum("bhgqk,bqhge->bkhe", probs, d_out[:, rows])
-            # The accumulators travel with their block; the last shift brings them home.
-            grads = ring.shift(grads)() if ring.size > 1 else grads
+                grads[1][:, :end] += d_values
+            else:
+                keys, values = (t.float() for t in block)
+                for rows, end in ring.tiles(source):
+                    scores = ring.scores(q5[:, rows], keys[:, :end], source, scale, rows)
+                    probs = torch.exp(scores - lse[..., rows, None])
+                    d_probs = torch.einsum("bqhge,bkhe->bhgqk", d_out[:, rows], values[:, :end])
+                    d_scores = probs * (d_probs - delta[..., rows, None])
+                    dq[:, rows] += (
+                        torch.einsum("bhgqk,bkhd->bqhgd", d_scores, keys[:, :end]) * scale
+                    )
+                    d_keys = torch.einsum("bhgqk,bqhgd->bkhd", d_scores, q5[:, rows]) * scale
+                    grads[0][:, :end] += d_keys
+                    grads[1][:, :end] += torch.einsum("bhgqk,bqhge->bkhe", probs, d_out[:, rows])
+            # The accumulators travel with their block: what the previous rank gathered for
+            # this block arrived during the compute above; the last shift brings them home.
+            if arriving is not None:
+                grads = [mine + theirs for mine, theirs in zip(grads, arriving(), strict=True)]
+            arriving = ring.shift(grads) if ring.size > 1 else None
             if receive is not None:
                 block = receive()
         d_sinks = None
@@ -166,15 +213,67 @@ class _RingAttention(torch.autograd.Function):
             # d out / d sink = -p_sink * out per row, so dL/d sink = -sum_rows p_sink * delta.
             sink = sinks.float().view(1, *lse.shape[1:3], 1)
             d_sinks = -(torch.exp(sink - lse) * delta).sum(dim=(0, 3)).flatten().to(sinks.dtype)
-        dk, dv = grads
+        dk, dv = grads if arriving is None else arriving()
         dq = dq.view(q.shape).to(q.dtype)
         return dq, dk.to(k.dtype), dv.to(v.dtype), d_sinks, None, None
 
 
+def _fused_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: slice,
+    end: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query ``rows`` over the first ``end`` keys of a block, every pair visible (or causal):
+    output [b, s_q, h_kv, g, d_v] (fp32) and log-sum-exp [b, h_kv, g, s_q], from torch's
+    fused kernel."""
+    b, _, h_kv, d_v = v.shape
+    qb = q[:, rows].transpose(1, 2)
+    kb, vb = (t[:, :end].transpose(1, 2) for t in (k, v))
+    out, lse = fused_attention_forward(qb, kb, _pad_head(vb, q.shape[-1]), causal, scale)
+    out = out[..., :d_v].transpose(1, 2).float()
+    return out.reshape(b, -1, h_kv, q.shape[2] // h_kv, d_v), lse.view(b, h_kv, -1, lse.shape[-1])
+
+
+def _fused_block_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rows: slice,
+    end: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of dq [b, s_q, h_kv, g, d] and its dk, dv for its first ``end`` keys
+    ([b, end, h_kv, d(_v)]), all fp32, from the whole row's output and log-sum-exp (grouped
+    as the forward keeps them)."""
+    b, _, h_kv, d_v = v.shape
+    d = q.shape[-1]
+    qb = q[:, rows].transpose(1, 2)
+    kb, vb = (t[:, :end].transpose(1, 2) for t in (k, v))
+    ob, gb = (_pad_head(t[:, rows].flatten(2, 3).transpose(1, 2), d) for t in (out, grad_out))
+    lb = lse[..., rows].flatten(1, 2).contiguous()
+    dq, dk, dv = fused_attention_backward(gb, qb, kb, _pad_head(vb, d), ob, lb, causal, scale)
+    dq = dq.transpose(1, 2).float().reshape(b, -1, h_kv, q.shape[2] // h_kv, d)
+    return dq, dk.transpose(1, 2).float(), dv[..., :d_v].transpose(1, 2).float()
+
+
+def _pad_head(t: torch.Tensor, size: int) -> torch.Tensor:
+    """``t`` [..., d_v] with zeros up to ``size`` columns: the fused kernels take one head
+    size, and zero value columns add zero output columns (MLA's narrower values)."""
+    return F.pad(t, (0, size - t.shape[-1])) if t.shape[-1] < size else t
+
+
 class _Ring:
     """This rank's place in the CP ring: neighbours, every rank's global columns, the part of
-    each rank's block that causal order lets each tile of this rank's queries see, and the
-    visibility mask there."""
+    each rank's block that causal order lets each tile of this rank's queries see, the
+    visibility mask there, and which blocks the fused kernel runs."""
 
     def __init__(
         self,
@@ -183,6 +282,8 @@ class _Ring:
         doc_ids: torch.Tensor | None,
         window: int | None,
         tile_scores: int,
+        fused: bool,
+        overlap: bool,
     ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
@@ -194,24 +295,51 @@ class _Ring:
         self.columns = [c.to(q.device) for c in self.host_columns]
         self.doc_ids = doc_ids
         self.window = window
+        self.overlap = overlap
         b, s, h, _ = q.shape
         self.query_tile = max(1, tile_scores // (b * h * s))
+        self.fused = self._unmasked() if fused else [False] * self.size
 
     def source(self, step: int) -> int:
         """The rank whose block this rank holds at ``step``."""
         return (self.rank - step) % self.size
 
+    def rectangle(self, source: int) -> tuple[slice, int, bool]:
+        """The query rows of this rank that see any key of rank ``source``'s block, the end of
+        the keys they see (a prefix, columns ascending on every rank), and whether causal
+        order within that is the square's (the rank's own block) rather than all pairs."""
+        mine, theirs = self.host_columns[self.rank], self.host_columns[source]
+        start = int(torch.searchsorted(mine, theirs[0]))
+        end = int(torch.searchsorted(theirs, mine[-1], right=True))
+        return slice(start, len(mine)), end, source == self.rank
+
+    def _unmasked(self) -> list[bool]:
+        """Per source rank: whether causal order alone decides its ``rectangle``: the window
+        (if any) spans it and no document starts inside it, in any row. One host sync for all
+        blocks (the document ids live on the device)."""
+        mine = self.host_columns[self.rank]
+        last = int(mine[-1])  # every block's rectangle ends at this rank's last query
+        first = [
+            int(min(mine[self.rectangle(source)[0].start], self.host_columns[source][0]))
+            for source in range(self.size)
+        ]
+        spans = [self.window is None or last - column < self.window for column in first]
+        if self.doc_ids is None:
+            return spans
+        starts = torch.tensor(first, device=self.doc_ids.device)
+        same = self.doc_ids[:, starts] == self.doc_ids[:, last, None]
+        return [a and b for a, b in zip(spans, same.all(dim=0).tolist(), strict=True)]
+
     def tiles(self, source: int) -> list[tuple[slice, int]]:
         """This rank's query rows in tiles of ``query_tile``, each with the end of the keys of
         rank ``source``'s block it can see causally; what causal order hides is skipped.
-        Columns ascend on every rank, so those keys are a prefix, and the rows that see any of
-        them a suffix (computed on the host from the layout: no device sync). In the
-        load-balanced layout this halves every block but the rank's own, whose tiles see
-        their causal prefix."""
+        The rows that see any key are ``rectangle``'s (computed on the host from the layout:
+        no device sync). In the load-balanced layout this halves every block but the rank's
+        own, whose tiles see their causal prefix."""
         mine, theirs = self.host_columns[self.rank], self.host_columns[source]
-        start = int(torch.searchsorted(mine, theirs[0]))
+        visible, _, _ = self.rectangle(source)
         tiles = []
-        for first in range(start, len(mine), self.query_tile):
+        for first in range(visible.start, len(mine), self.query_tile):
             rows = slice(first, min(first + self.query_tile, len(mine)))
             tiles.append((rows, int(torch.searchsorted(theirs, mine[rows.stop - 1], right=True))))
         return tiles
@@ -243,17 +371,21 @@ class _Ring:
 
     def shift(self, tensors: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
         """Post sends of ``tensors`` to the next rank and receives of the previous rank's (same
-        shapes); the returned function waits and gives what arrived."""
+        shapes); the returned function waits and gives what arrived (without ``overlap``,
+        the wait is done here)."""
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.previous, self.group) for t in received]
         works = dist.batch_isend_irecv(ops)
 
         def wait() -> list[torch.Tensor]:
-            for work in works:
-                work.wait()
+            # Each work is waited for once: gloo's receive would wait for another message.
+            while works:
+                works.pop().wait()
             return received
 
+        if not self.overlap:
+            wait()
         return wait
 
 

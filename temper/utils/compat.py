@@ -151,6 +151,80 @@ def varlen_attention_op() -> Any:
     return _optional_op("torch_attn", "_varlen_attn")
 
 
+def fused_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused attention kernel that also returns the log-sum-exp (ring attention merges
+    blocks by it; ``F.scaled_dot_product_attention`` does not return it): q [b, h, s_q, d],
+    k, v [b, h_kv, s_k, d] (h a multiple of h_kv; one head size) -> output [b, h, s_q, d] in
+    q's dtype and log-sum-exp [b, h, s_q] (fp32). ``causal``: square, query i sees keys up to
+    i. CPU: the flash kernel (any float dtype, GQA natively); CUDA: the flash kernel (fp16 and
+    bf16: ``fused_attention_runs``), k and v repeated per query head. Checked: 2.11, 2.13 on
+    CPU; the CUDA branch has not run (no GPU was lent when it was written)."""
+    if q.device.type == "cuda":
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )[:2]
+        return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+
+
+def fused_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of ``fused_attention_forward`` for the given output and log-sum-exp, which
+    may be those of more keys than k holds (the whole row's, after ring attention's merge):
+    the kernel recomputes this block's probabilities as exp(scores - lse) and the row term as
+    grad_out . out, so each block's share of the gradient comes out exactly. Shapes as the
+    forward's; dk, dv [b, h_kv, s_k, d]. Checked: 2.11, 2.13 on CPU; CUDA not run."""
+    if q.device.type == "cuda":
+        groups = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+        # No dropout: the dense (not varlen) kernel, and no random state to replay.
+        rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            rng,
+            rng,
+            scale=scale,
+        )
+        b, _, s, d = dk.shape
+        dk, dv = (t.view(b, -1, groups, s, t.shape[-1]).sum(dim=2) for t in (dk, dv))
+        return dq, dk, dv
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def fused_attention_runs(q: torch.Tensor) -> bool:
+    """Whether ``fused_attention_forward`` runs on q's device and dtype: on CPU any float
+    dtype, on CUDA fp16 or bf16 (flash's). (It also needs one head size for q, k and v.)"""
+    if q.device.type == "cuda":
+        return q.dtype in (torch.float16, torch.bfloat16)
+    return q.device.type == "cpu"
+
+
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """``mesh``'s dims as one named dim, registered on its root mesh, where DTensor looks for
     it to run a redistribution over several dims as one collective instead of one per dim.
@@ -208,6 +282,9 @@ __all__ = [
     "all_to_all_single_autograd",
     "compute_local_shape_and_global_offset",
     "flatten_mesh",
+    "fused_attention_backward",
+    "fused_attention_forward",
+    "fused_attention_runs",
     "dcp_memory_format",
     "dcp_storage_info",
     "dump_memory_snapshot",

@@ -47,6 +47,7 @@ class Case:
     window: int | None = None
     sinks: bool = False
     scale: float | None = None
+    documents: tuple[list[int], ...] = DOCUMENTS
 
 
 CP2_CASES = (
@@ -54,6 +55,8 @@ CP2_CASES = (
     Case("causal_rows", packed=False),
     Case("sinks_window", window=5, sinks=True),
     Case("mla", kv_heads=4, head_dim=12, v_dim=6, scale=0.3),
+    Case("mla_rows_wide_window", kv_heads=4, head_dim=12, v_dim=6, packed=False, window=20),
+    Case("one_boundary", documents=([6, 18],)),
 )
 CP4_CASES = (Case("all", window=4, sinks=True, v_dim=6),)
 
@@ -69,7 +72,7 @@ def _positions(documents: tuple[list[int], ...] = DOCUMENTS) -> torch.Tensor:
 def _inputs(case: Case) -> dict[str, torch.Tensor]:
     """The whole sequences' q, k, v, sinks and output gradient, the same on every rank."""
     g = torch.Generator().manual_seed(0)
-    b = len(DOCUMENTS)
+    b = len(case.documents)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g)
@@ -84,41 +87,63 @@ def _inputs(case: Case) -> dict[str, torch.Tensor]:
 
 
 def _docs(case: Case) -> DocumentMask | None:
-    return DocumentMask.from_position_ids(_positions()) if case.packed else None
+    return DocumentMask.from_position_ids(_positions(case.documents)) if case.packed else None
 
 
-def _ring_rank(cases: tuple[Case, ...], tile_scores: int) -> list[dict[str, torch.Tensor]]:
-    """Each case's local output and gradients on this rank."""
+def _ring_rank(
+    cases: tuple[Case, ...], tile_scores: int, fused: bool
+) -> list[dict[str, torch.Tensor]]:
+    """Each case's local output and gradients on this rank, and how many blocks ran the fused
+    kernel (forward and backward); ``same_in_series``: without overlap, the same numbers."""
     import torch.distributed as dist
 
+    from temper.kernels import ring_attention as ring_module
     from temper.kernels.ring_attention import load_balanced_indices, ring_attention
     from temper.parallel.context_parallel import gather_sequence
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     columns = load_balanced_indices(SEQ_LEN, rank, size)
+    calls = []
+    for name in ("fused_attention_forward", "fused_attention_backward"):
+        kernel = getattr(ring_module, name)
+
+        def counted(*args: object, kernel: Callable = kernel) -> object:
+            calls.append(1)
+            return kernel(*args)
+
+        setattr(ring_module, name, counted)
     results = []
     for case in cases:
         inputs = _inputs(case)
-        q, k, v = (inputs[n][:, columns].requires_grad_() for n in ("q", "k", "v"))
-        sinks = inputs["sinks"].requires_grad_() if case.sinks else None
-        group = dist.group.WORLD
-        out = ring_attention(
-            q,
-            k,
-            v,
-            _docs(case),
-            group,
-            scale=case.scale,
-            window=case.window,
-            sinks=sinks,
-            tile_scores=tile_scores,
-        )
-        (out * inputs["grad"][:, columns]).sum().backward()
-        result = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
-        if sinks is not None:
-            result["sinks"] = sinks.grad
-        result["gathered"] = gather_sequence(out.detach(), group)
+        runs = []
+        for overlap in (True, False):
+            q, k, v = (inputs[n][:, columns].requires_grad_() for n in ("q", "k", "v"))
+            sinks = inputs["sinks"].clone().requires_grad_() if case.sinks else None
+            group = dist.group.WORLD
+            calls.clear()
+            out = ring_attention(
+                q,
+                k,
+                v,
+                _docs(case),
+                group,
+                scale=case.scale,
+                window=case.window,
+                sinks=sinks,
+                fused=fused,
+                overlap=overlap,
+                tile_scores=tile_scores,
+            )
+            (out * inputs["grad"][:, columns]).sum().backward()
+            result = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+            if sinks is not None:
+                result["sinks"] = sinks.grad
+            result["fused_calls"] = torch.tensor(len(calls))
+            runs.append(result)
+        result, in_series = runs
+        result["same_in_series"] = all(torch.equal(t, in_series[n]) for n, t in result.items())
+        result["gathered"] = gather_sequence(result["out"], dist.group.WORLD)
         results.append(result)
     return results
 
@@ -144,18 +169,38 @@ def _reference(case: Case) -> dict[str, torch.Tensor]:
     return result
 
 
+FUSED_CALLS = {
+    "causal_rows": [4, 4],
+    "mla_rows_wide_window": [2, 4],
+    "one_boundary": [2, 2],
+}
+"""Fused kernel calls per rank (forward + backward) at CP 2, by hand from the layout (rank 0
+holds columns 0-5 and 18-23, rank 1 6-17); other cases make none. Continuous rows: both
+blocks on both ranks. A window of 20: rank 0's own block spans 23 columns (cut), its
+rectangle of rank 1's keys 6-17 against its queries 18-23 spans 17 (whole), and rank 1's two
+17 and 11. Documents 0-5 and 6-23: rank 0's own block and rank 1's rectangle of rank 0's
+keys (0-5 against 6-17) cross the boundary, the other two do not. The packed rows of the
+other cases cross a boundary in every block, and CP 4's window of 4 cuts every block."""
+
+
 @pytest.mark.parametrize(
-    ("size", "cases", "tile_scores"),
-    [(2, CP2_CASES, 5 * 2 * 4 * 12), (4, CP4_CASES, 2**24)],
-    ids=["cp2", "cp4"],
+    ("size", "cases", "tile_scores", "fused"),
+    [
+        (2, CP2_CASES, 5 * 2 * 4 * 12, True),
+        (2, CP2_CASES, 5 * 2 * 4 * 12, False),
+        (4, CP4_CASES, 2**24, True),
+    ],
+    ids=["cp2", "cp2_reference", "cp4"],
 )
 def test_ring_attention_matches_one_process(
-    size: int, cases: tuple[Case, ...], tile_scores: int
+    size: int, cases: tuple[Case, ...], tile_scores: int, fused: bool
 ) -> None:
-    """Outputs and gradients of every case, each rank's tokens put back in global order; at
-    CP 2 a budget of 5 rows' scores (2 rows x 4 heads x 12 keys each) puts the 12 local
-    queries in tiles of 5 (5, 5, 2), at CP 4 the default budget takes them in one."""
-    ranks = run_on_ranks(_ring_rank, size, cases, tile_scores)
+    """Outputs and gradients of every case, each rank's tokens put back in global order, with
+    the fused per-block kernel where a block allows it and with the reference for every
+    block; at CP 2 a budget of 5 rows' scores (2 rows x 4 heads x 12 keys each) puts the
+    reference's 12 local queries in tiles of 5 (5, 5, 2), at CP 4 the default budget takes
+    them in one. Waiting for each transfer before the compute gives the same bits."""
+    ranks = run_on_ranks(_ring_rank, size, cases, tile_scores, fused)
     for i, case in enumerate(cases):
         want = _reference(case)
         for name, expected in want.items():
@@ -166,6 +211,9 @@ def test_ring_attention_matches_one_process(
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=case.name)
         for rank in ranks:
             torch.testing.assert_close(rank[i]["gathered"], want["out"], rtol=1e-5, atol=1e-5)
+            assert rank[i]["same_in_series"], case.name
+        calls = [int(rank[i]["fused_calls"]) for rank in ranks]
+        assert calls == (FUSED_CALLS.get(case.name, [0] * size) if fused else [0] * size)
 
 
 GDN_DOCUMENTS = (*DOCUMENTS, [6, 6, 1, 8, 3])

@@ -39,7 +39,15 @@ def attend(
     ``ctx.selected`` when sparse attention set it)."""
     if ctx.context_group is not None:
         return ring_attention(
-            q, k, v, ctx.docs, ctx.context_group, scale=scale, window=window, sinks=sinks
+            q,
+            k,
+            v,
+            ctx.docs,
+            ctx.context_group,
+            scale=scale,
+            window=window,
+            sinks=sinks,
+            fused=ctx.kernels.fused_ring_attention,
         )
     if ctx.cache is not None:
         return ctx.cache.attend(
