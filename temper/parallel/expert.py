@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from temper.models.layers.experts import Experts
 from temper.models.layers.moe import MoE, moe_layers
 from temper.utils.compat import all_to_all_single_autograd, functional_all_to_all
 
@@ -38,9 +39,7 @@ class AllToAllDispatcher:
         self.n_local = n_experts // self.ep
 
     @torch.compiler.disable
-    def __call__(
-        self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [T, dim] sorted by global expert, counts [E] -> expert outputs in rows' order."""
         received = functional_all_to_all(counts, None, None, self.group)
         # received[s * n_local + j]: rows that rank s sends to this rank's expert j.

@@ -25,6 +25,7 @@ from torch import nn
 
 from temper.config import Config
 from temper.kernels.dispatch import Kernels, resolve_kernels
+from temper.models.layers.experts import Experts
 from temper.models.layers.moe import moe_layers
 from temper.objectives import Objective
 from temper.parallel.activation_checkpoint import SAVED_OPS
@@ -265,9 +266,7 @@ class _Measure:
         self.add_kept(self.kept_storages.bytes_of(out))
         return self.exchange(out, shape) if self.sp > 1 else out
 
-    def dispatch(
-        self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
+    def dispatch(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Stands in for EP's ``AllToAllDispatcher`` on a rank that receives ``imbalance``
         times the rows it sends: the received rows, their copy sorted by expert and the
         expert activations scale with it; the exchanges' outputs count as kept, as the real

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.kernels.swiglu import swiglu
 from temper.models.layers.experts import GroupedExperts
 
@@ -68,7 +69,9 @@ class Float8GroupedExperts(GroupedExperts):
 
     gemm: GroupedGemm = staticmethod(float8_grouped_mm)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, offsets: torch.Tensor, kernels: Kernels = REFERENCE
+    ) -> torch.Tensor:
         w1, w3, w2 = (
             w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2)
         )
@@ -76,7 +79,7 @@ class Float8GroupedExperts(GroupedExperts):
         def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return padded_grouped_mm(a, w.mT, offsets, self.gemm)
 
-        return mm(swiglu(mm(x, w1), mm(x, w3)), w2)
+        return mm(swiglu(mm(x, w1), mm(x, w3), kernels.swiglu), w2)
 
 
 def apply_float8_experts(model: nn.Module) -> list[str]:

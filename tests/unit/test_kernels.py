@@ -247,22 +247,25 @@ def test_layers_and_objective_route_through_the_dispatcher(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Forcing ``compile`` reaches every op's reference through ``compiled`` (here recording,
-    not compiling), the objective takes the fused loss, and loss and gradients stay put."""
-    used: set[str] = set()
+    not compiling), the objective takes the fused loss, and loss and gradients stay put. The
+    SwiGLU runs twice per forward: the dense layer's MLP and the routed experts (through
+    the expert dispatcher)."""
+    calls: list[str] = []
 
     def record(fn: Callable[..., object]) -> Callable[..., object]:
-        used.add(fn.__name__)
+        calls.append(fn.__name__)
         return fn
 
     monkeypatch.setattr(dispatch, "compiled", record)
     model, batch = _tiny_moe(), _packed_batch()
     plain_loss, plain_grads = _loss_and_grads(model, batch)
-    assert used == set()
+    assert calls == []
     forced = dict.fromkeys(dispatch.OPS, "compile")
     fused_loss, fused_grads = _loss_and_grads(
         model, batch, Kernels(cross_entropy_chunk=7, **forced)
     )
-    assert used == {
+    assert calls.count("swiglu_reference") == 2
+    assert set(calls) == {
         "rms_norm_reference",
         "swiglu_reference",
         "apply_rope_reference",

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.kernels.grouped_gemm import grouped_mm
 from temper.models.layers.init import init_linear
 
@@ -83,8 +84,11 @@ class ClampedSwiGLUExperts(nn.Module):
         nn.init.zeros_(self.gate_up_bias)
         nn.init.zeros_(self.down_bias)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Rows of x [T, dim] sorted by expert; ``offsets`` [E] int32 cumulative group ends."""
+    def forward(
+        self, x: torch.Tensor, offsets: torch.Tensor, kernels: Kernels = REFERENCE
+    ) -> torch.Tensor:
+        """Rows of x [T, dim] sorted by expert; ``offsets`` [E] int32 cumulative group ends.
+        The clamped gate has no fused form: ``kernels`` (the experts' call) changes nothing."""
         # Under expert parallelism these are this rank's shards, and the rows its experts'.
         gate_up, gate_up_bias, down, down_bias = (
             w.to_local() if isinstance(w, DTensor) else w

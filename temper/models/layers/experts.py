@@ -6,24 +6,31 @@ dispatcher between the two, local (``run_local``) or expert-parallel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from temper.kernels.dispatch import Impl
+from temper.kernels.dispatch import REFERENCE, Impl, Kernels
 from temper.kernels.grouped_gemm import grouped_mm
 from temper.kernels.moe_permute import permute as permute_rows
 from temper.kernels.swiglu import swiglu
 
+Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""An experts module's forward (rows sorted by expert, offsets) -> outputs, bound to the
+forward's kernel choices (``MoE.forward``): what an ``ExpertDispatcher`` runs."""
 
-def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+
+def limited_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float | None, impl: Impl | None = None
+) -> torch.Tensor:
     """``silu(gate) * up`` with, given a ``limit``, gate clamped to at most ``limit`` and up to
-    [-limit, limit] first (DeepSeek V4's ``swiglu_limit``)."""
+    [-limit, limit] first (DeepSeek V4's ``swiglu_limit``); ``impl``: the SwiGLU's kernel."""
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return swiglu(gate, up)
+    return swiglu(gate, up, impl)
 
 
 class GroupedExperts(nn.Module):
@@ -45,14 +52,18 @@ class GroupedExperts(nn.Module):
         for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
             nn.init.trunc_normal_(w, std=s, a=-3 * s, b=3 * s)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Rows of x [T, dim] sorted by expert; ``offsets`` [E] int32 cumulative group ends."""
+    def forward(
+        self, x: torch.Tensor, offsets: torch.Tensor, kernels: Kernels = REFERENCE
+    ) -> torch.Tensor:
+        """Rows of x [T, dim] sorted by expert; ``offsets`` [E] int32 cumulative group ends;
+        the SwiGLU runs as ``kernels`` says."""
         # Under expert parallelism the weights are DTensors sharded by expert; the rows sent
         # here are for this rank's experts only, so the GEMMs take the local shard.
         w1, w3, w2 = (
             w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2)
         )
-        h = limited_swiglu(grouped_mm(x, w1.mT, offsets), grouped_mm(x, w3.mT, offsets), self.limit)
+        gate, up = grouped_mm(x, w1.mT, offsets), grouped_mm(x, w3.mT, offsets)
+        h = limited_swiglu(gate, up, self.limit, kernels.swiglu)
         return grouped_mm(h, w2.mT, offsets)
 
 
@@ -81,13 +92,11 @@ class ExpertDispatcher(Protocol):
     """Runs ``experts`` on rows sorted by expert, wherever the experts live: in this process
     (`run_local`) or across an expert-parallel group (`temper.parallel.expert`)."""
 
-    def __call__(
-        self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [T, dim] sorted by expert, counts [E] tokens per expert -> outputs [T, dim]."""
         ...
 
 
-def run_local(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def run_local(experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Every expert is here: one grouped GEMM pass over all rows."""
     return experts(rows, counts.cumsum(0, dtype=torch.int32))

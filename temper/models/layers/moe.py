@@ -14,6 +14,7 @@ experts without touching the math on either side.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -121,7 +122,8 @@ class MoE(nn.Module):
         probs, weights, experts = self.router(tokens, _replayed(x, ctx))
         impl = None if ctx is None else ctx.kernels.moe_permute
         rows, order, counts = permute(tokens, experts, self.n_experts, impl)
-        out = self._dispatcher(self.experts, rows, counts)
+        run = self.experts if ctx is None else partial(self.experts, kernels=ctx.kernels)
+        out = self._dispatcher(run, rows, counts)
         recorded = experts.view(*x.shape[:2], -1) if ctx is not None and ctx.record_routes else None
         if valid_len is None:
             stats = RoutingStats(
