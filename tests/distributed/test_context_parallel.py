@@ -216,6 +216,24 @@ def test_ring_attention_matches_one_process(
         assert calls == (FUSED_CALLS.get(case.name, [0] * size) if fused else [0] * size)
 
 
+@pytest.mark.slow
+def test_cp2_halves_each_ranks_activation_peak(tmp_path: Path) -> None:
+    """Llama 3 debug, one continuous row of 4096 tokens, one training step: the busiest CP 2
+    rank's live-tensor peak (``bench.context_parallel``'s count, over the tensors alive
+    before the step) is about half of one process's. Measured 0.57x (0.211 against 0.368
+    GiB); the allowance up to 0.62x is for what does not shrink with cp, about 0.02-0.04 GiB
+    here: the loss chunk's logits, the weights' gradients as FSDP gathers and reduces them,
+    the K/V blocks in flight. A rank that held the whole sequence's activations would show
+    about 1x."""
+    from bench.context_parallel import measure_rank
+
+    peaks = []
+    for cp in (1, 2):
+        ranks = run_on_ranks(measure_rank, cp, "llama3_debug", 4096, cp, 1, str(tmp_path), [])
+        peaks.append(max(peak for peak, _, _ in ranks))
+    assert 0.45 < peaks[1] / peaks[0] < 0.62, peaks
+
+
 GDN_DOCUMENTS = (*DOCUMENTS, [6, 6, 1, 8, 3])
 """The third row's documents start at 6, 12 and 21, chunk starts at CP 2 or CP 4 (where the
 passed state and window must be dropped), and at 13, a token after one."""
