@@ -11,7 +11,6 @@ from temper.objectives.registry import (
     Objective,
     RolloutObjective,
     build_objective,
-    micro_batch_scope,
     objective_names,
     register_objective,
 )
@@ -29,7 +28,6 @@ __all__ = [
     "RolloutObjective",
     "build_objective",
     "count_tokens",
-    "micro_batch_scope",
     "objective_names",
     "register_objective",
     "register_reward",

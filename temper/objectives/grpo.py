@@ -29,7 +29,6 @@ rollout's tokens routes them to the experts that sampled them
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -306,11 +305,6 @@ class GRPO:
         scored = {"advantages": torch.zeros(rows), "rewards": torch.zeros(rows)}
         return self.sampler.empty_rollout(model, rows, width) | scored
 
-    def micro_batch_scope(self, model: nn.Module, batch: Batch) -> AbstractContextManager[None]:
-        """The rollout's routes replayed over a micro-batch's forward and backward (whose
-        activation-checkpoint recomputation routes again); nothing without router replay."""
-        return replaying_routes(model, batch.get(ROUTES))
-
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         """The policy loss of a micro-batch of rollout rows. Without ``old_log_probs`` (the
         model sampled them and this is their one update) the forward's own log-probs,
@@ -319,7 +313,9 @@ class GRPO:
         labels = batch["labels"]
         completion = labels != IGNORE_INDEX
         entropy = torch.zeros(labels.shape, device=labels.device)
-        with self.micro_batch_scope(model, batch):
+        # The rollout's routes, if replayed, enter the forward's context, which an activation
+        # checkpoint's recomputation in backward reuses: no scope around the backward.
+        with replaying_routes(model, batch.get(ROUTES)):
             log_probs = label_log_probs(
                 model,
                 batch["input_ids"],

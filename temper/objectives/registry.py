@@ -88,25 +88,6 @@ class RolloutObjective(Objective, Protocol):
 
 
 @runtime_checkable
-class MicroBatchScope(Protocol):
-    """An objective whose micro-batch needs a context around both its forward and its
-    backward (router replay: the backward's activation recomputation routes again)."""
-
-    def micro_batch_scope(
-        self, model: nn.Module, batch: Batch
-    ) -> contextlib.AbstractContextManager[None]: ...
-
-
-def micro_batch_scope(
-    objective: Objective, model: nn.Module, batch: Batch
-) -> contextlib.AbstractContextManager[None]:
-    """The context a loop runs a micro-batch's forward and backward in."""
-    if isinstance(objective, MicroBatchScope):
-        return objective.micro_batch_scope(model, batch)
-    return contextlib.nullcontext()
-
-
-@runtime_checkable
 class FinishesRollout(Protocol):
     """A rollout objective that finishes a step's rollout once all of it is drawn (GRPO's
     advantages over the reward std of the whole step): ``sum_over_data`` sums a tensor over

@@ -15,7 +15,7 @@ from temper.config import Config, save_config
 from temper.data.batch import Batch, real_shares
 from temper.data.loader import build_loader
 from temper.engine import Engine, NonFiniteError
-from temper.objectives import Objective, RolloutObjective, build_objective, micro_batch_scope
+from temper.objectives import Objective, RolloutObjective, build_objective
 from temper.objectives.driver import RolloutDriver
 from temper.parallel.collectives import all_reduce_sum, combine_metrics, sum_over_data_ranks
 from temper.trainer.console import (
@@ -219,12 +219,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=engine.device)
         parts = []
         for batch in micro_batches:
-            with micro_batch_scope(self.objective, engine.model, batch):
-                with self.phases("forward"), engine.autocast():
-                    micro_loss, _, micro_metrics = self.objective.loss(engine.model, batch)
-                self.moe_load.add()
-                with self.phases("backward"):
-                    (micro_loss / global_count).backward()
+            with self.phases("forward"), engine.autocast():
+                micro_loss, _, micro_metrics = self.objective.loss(engine.model, batch)
+            self.moe_load.add()
+            with self.phases("backward"):
+                (micro_loss / global_count).backward()
             loss_sum += micro_loss.detach().float()
             parts.append(micro_metrics)
         # The objective's metrics of the whole step: every micro-batch on every rank.

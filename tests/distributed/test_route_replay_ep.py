@@ -77,8 +77,13 @@ def _replay_on_rank(config: Config) -> dict[str, Any]:
     from temper.data.chat import BUILTIN_TEMPLATE
     from temper.data.prompts import prompt_dataset
     from temper.engine import Engine
-    from temper.models.layers.route_replay import ROUTES, recording_routes, stacked
-    from temper.objectives import build_objective, micro_batch_scope
+    from temper.models.layers.route_replay import (
+        ROUTES,
+        recording_routes,
+        replaying_routes,
+        stacked,
+    )
+    from temper.objectives import build_objective
     from temper.objectives.causal_lm import documents, label_log_probs
 
     engine = Engine(config)
@@ -106,12 +111,12 @@ def _replay_on_rank(config: Config) -> dict[str, Any]:
     with torch.no_grad(), recording_routes(model) as record:
         label_log_probs(model, *inputs, **options)
     free = stacked(record).to(batch[ROUTES].dtype)
-    with micro_batch_scope(objective, model, batch):  # the trainer's scope of one micro-batch
-        with recording_routes(model) as record, engine.autocast():
-            log_probs = label_log_probs(model, *inputs, **options)
-        with engine.autocast():
-            loss, _, _ = objective.loss(model, batch)
-        loss.backward()  # replayed under EP: each rank's all-to-all carries the recorded split
+    routes = batch[ROUTES]
+    with replaying_routes(model, routes), recording_routes(model) as record, engine.autocast():
+        log_probs = label_log_probs(model, *inputs, **options)
+    with engine.autocast():
+        loss, _, _ = objective.loss(model, batch)
+    loss.backward()  # replayed under EP: each rank's all-to-all carries the recorded split
     replayed = stacked(record).to(batch[ROUTES].dtype)
     completion = labels != IGNORE_INDEX
     return {

@@ -30,7 +30,7 @@ from temper.models.layers.route_replay import (
 )
 from temper.models.layers.routers import GroupLimitedRouter, GroupLimitedRouting, TopKRouter
 from temper.models.registry import build_model
-from temper.objectives import GRPO, GRPOConfig, micro_batch_scope
+from temper.objectives import GRPO, GRPOConfig
 from temper.objectives.causal_lm import label_log_probs
 from temper.objectives.dynamic_sampling import fill_rollout
 from temper.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -187,7 +187,7 @@ def test_rollout_records_the_sampling_routes_and_training_replays_them() -> None
     fed = fed_positions(batch["labels"])
     flipped = (_free_routes(tied, batch) != batch[ROUTES]).any(-1).any(-1) & fed
     assert flipped.sum() > 0  # the setup's point: without replay some token would re-route
-    with micro_batch_scope(objective, tied, batch), recording_routes(tied) as record:
+    with replaying_routes(tied, batch[ROUTES]), recording_routes(tied) as record:
         log_probs = label_log_probs(tied, batch["input_ids"], batch["labels"])
     assert torch.equal(stacked(record).to(torch.int16), batch[ROUTES])
     completion = batch["labels"] != IGNORE_INDEX
@@ -196,31 +196,24 @@ def test_rollout_records_the_sampling_routes_and_training_replays_them() -> None
 
 
 def test_activation_checkpoint_recomputation_replays_the_routes() -> None:
-    """Under full activation checkpointing the backward recomputes each block with the
-    forward's context, so it replays the routes too, and the gradients are those of the
-    uncheckpointed replayed step, with the step's micro-batch scope around the backward or
-    without it."""
+    """Under full activation checkpointing the backward recomputes each block with its
+    forward's context, so it replays the routes that the loss's forward imposed (nothing is
+    around the backward), and the gradients are those of the uncheckpointed replayed step.
+    (When the routes were set on the layers, this recomputation re-routed the flipped tokens
+    and torch's checkpoint refused it.)"""
     model = _model(tie=True)
     objective = _objective()
     batch, _ = objective.prepare(model, _prompts(), torch.Generator().manual_seed(0))
     batch["advantages"] = torch.linspace(-1.0, 1.0, batch["advantages"].numel())
 
-    def grads(scoped: bool) -> list[torch.Tensor]:
+    def grads() -> list[torch.Tensor]:
         model.zero_grad()
-        scope = (
-            micro_batch_scope(objective, model, batch) if scoped else replaying_routes(model, None)
-        )
-        with scope:
-            objective.loss(model, batch)[0].backward()
+        objective.loss(model, batch)[0].backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    want = grads(scoped=True)
+    want = grads()
     apply_activation_checkpointing(model.layers, "full")
-    for got, ref in zip(grads(scoped=True), want, strict=True):
-        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-9)
-    # Replayed in the forward only (the loss's own scope), the recomputation still routes
-    # as recorded: the routes came in with the forward's context, which it reuses.
-    for got, ref in zip(grads(scoped=False), want, strict=True):
+    for got, ref in zip(grads(), want, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-9)
 
 
