@@ -106,3 +106,26 @@ def test_two_runs_objectives_keep_their_own_kernels(monkeypatch: pytest.MonkeyPa
         unconfigured = label_log_probs(model, ids, labels)
     assert compiled == ["log_probs_from_logits"]  # no kernels given: full logits
     torch.testing.assert_close(own, unconfigured, rtol=1e-5, atol=1e-6)
+
+
+def test_deepseek_v4_blocks_run_the_models_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek V4's blocks read the model's choices from their forward context as the shared
+    decoder's do: its norms, rotary, shared and routed SwiGLU and MoE permutes compile (here
+    recorded) once the model is told so, with the same logits as its references."""
+    from temper.models.deepseek_v4.args import FLAVORS
+    from temper.models.deepseek_v4.model import DeepseekV4Transformer
+
+    compiled = _recording(monkeypatch)
+    torch.manual_seed(0)
+    model = DeepseekV4Transformer(FLAVORS["debug"])
+    model.init_weights()
+    ids = torch.randint(0, 2048, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(ids)
+        assert compiled == []
+        ops = ("rmsnorm", "rope", "swiglu", "moe_permute")
+        model.use_kernels(Kernels(**dict.fromkeys(ops, "compile")))
+        fused = model(ids)
+    names = {"rms_norm_reference", "apply_rope_reference", "swiglu_reference"}
+    assert set(compiled) == names | {"permute_reference", "unpermute_reference"}
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,7 @@ from temper.kernels.attention import DocumentMask
 from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
 from temper.models.deepseek_v4.mtp import DeepseekV4MTP, mtp_block_args, predict_ahead, v4_mtp_loss
-from temper.models.layers.compressed_attention import CompressedAttention
+from temper.models.layers.compressed_attention import CompressedAttention, CompressedContext
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows
 from temper.models.layers.context import ForwardContext
 from temper.models.layers.decoder import INIT_STD
@@ -65,8 +65,8 @@ class SharedExpert(nn.Module):
         init_linear(self.w3, std)
         init_linear(self.w2, out_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(limited_swiglu(self.w1(x), self.w3(x), self.limit))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.w2(limited_swiglu(self.w1(x), self.w3(x), self.limit, ctx.kernels.swiglu))
 
 
 class DeepseekV4Block(nn.Module):
@@ -95,29 +95,20 @@ class DeepseekV4Block(nn.Module):
         self.ffn_norm.reset_parameters()
 
     def forward(
-        self,
-        streams: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        doc_ids: torch.Tensor,
-        windows: Windows | None,
-        cache: LayerCache | None = None,
-        shard: SequenceShard | None = None,
-        route: torch.Tensor | None = None,
-        record_routes: bool = False,
+        self, streams: torch.Tensor, ctx: CompressedContext
     ) -> tuple[torch.Tensor, RoutingStats]:
-        """The streams after the block and its experts' routing statistics. ``shard``: the
-        streams are this rank's slice (cos, sin, doc_ids and windows span the whole sequence);
-        the statistics leave its padding out. ``route`` and ``record_routes``: router replay's
-        (``ForwardContext``'s fields of those names)."""
+        """The streams after the block and its experts' routing statistics. Under sequence
+        parallelism (``ctx.shard``) the streams are this rank's slice, while the context's
+        rotary, documents and windows span the whole sequence; the statistics leave the
+        slice's padding out. Router replay's ``ctx.route`` and ``ctx.record_routes`` reach
+        the experts as in the shared decoder."""
         x, post, comb = self.attention_hc(streams)
-        out = self.attention(self.attention_norm(x), cos, sin, doc_ids, windows, cache, shard)
+        out = self.attention(self.attention_norm(x, ctx.kernels), ctx)
         streams = residual(streams, out, post, comb)
         x, post, comb = self.ffn_hc(streams)
-        h = self.ffn_norm(x)
-        ctx = ForwardContext(cos, sin, shard=shard, route=route, record_routes=record_routes)
+        h = self.ffn_norm(x, ctx.kernels)
         routed, stats = self.feed_forward(h, ctx)
-        return residual(streams, routed + self.shared_experts(h), post, comb), stats
+        return residual(streams, routed + self.shared_experts(h, ctx), post, comb), stats
 
 
 def _attention(args: DeepseekV4Args, kind: str) -> CompressedAttention:
@@ -280,9 +271,9 @@ class DeepseekV4Transformer(nn.Module):
         if shard is not None:
             # Keys, windows and rotary span the whole sequence: every slice's positions.
             positions = gather_sequence(positions.contiguous(), shard.group)
-        caches: list[LayerCache | None] = [None] * len(self.layers)
+        caches: tuple[LayerCache, ...] = ()
         if cache is not None:
-            caches = list(cache.extend(s))
+            caches = tuple(cache.extend(s))
             # Every token so far: the compressors and the windows read the whole history.
             positions = caches[0].keep("positions", positions)
         if docs is not None:
@@ -308,37 +299,33 @@ class DeepseekV4Transformer(nn.Module):
             router.token_ids = input_ids
         h = self.tok_embeddings(input_ids)
         streams = h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
-        replay = self.router_replay.fields(self)
-        routes = replay.get("routes", (None,) * len(self.layers))
-        layers = zip(self.layers, self.args.layer_types, caches, routes, strict=True)
-        routing: list[RoutingStats] = []
-        for layer, kind, layer_cache, route in layers:
-            streams, stats = layer(
-                streams,
+        contexts = {
+            kind: CompressedContext(
                 *rotary[kind],
-                doc_ids,
-                windows[kind],
-                layer_cache,
-                shard,
-                route,
-                replay["record_routes"],
+                shard=shard,
+                kernels=self.kernels,
+                caches=caches,
+                doc_ids=doc_ids,
+                windows=windows.get(kind),
+                **self.router_replay.fields(self),
             )
+            for kind in rotary
+        }
+        routing: list[RoutingStats] = []
+        for i, (layer, kind) in enumerate(zip(self.layers, self.args.layer_types, strict=True)):
+            streams, stats = layer(streams, contexts[kind].layer(i))
             keep_routing(routing, layer.feed_forward, stats)
         self.last_routing = routing
         self.router_replay.keep(routing)
         self.mtp_hidden, self._mtp_shard = [], shard
         if len(self.mtp) and cache is None and self.training:
-            self.mtp_hidden = predict_ahead(
-                self.mtp,
-                streams,
-                self.tok_embeddings,
-                input_ids,
-                *rotary[SLIDING],
-                doc_ids,
-                shard,
-                self.last_routing,
+            depth_ctx = CompressedContext(
+                *rotary[SLIDING], shard=shard, kernels=self.kernels, doc_ids=doc_ids
             )
-        return self.norm(self.hc_head(streams))
+            self.mtp_hidden = predict_ahead(
+                self.mtp, streams, self.tok_embeddings, input_ids, depth_ctx, self.last_routing
+            )
+        return self.norm(self.hc_head(streams), self.kernels)
 
     def forward(
         self,

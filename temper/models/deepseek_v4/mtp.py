@@ -32,6 +32,7 @@ from torch import nn
 
 from temper.data.batch import SequenceShard
 from temper.models.deepseek_v4.args import SLIDING, DeepseekV4Args
+from temper.models.layers.compressed_attention import CompressedContext
 from temper.models.layers.hyper_connections import HyperHead
 from temper.models.layers.init import init_linear
 from temper.models.layers.moe import RoutingStats, keep_routing
@@ -70,19 +71,14 @@ class DeepseekV4MTP(nn.Module):
         self.hc_head.init_weights(std)
 
     def forward(
-        self,
-        streams: torch.Tensor,
-        embedded: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        doc_ids: torch.Tensor,
-        shard: SequenceShard | None,
+        self, streams: torch.Tensor, embedded: torch.Tensor, ctx: CompressedContext
     ) -> tuple[torch.Tensor, RoutingStats]:
         """streams [b, s, hc_mult, dim] and the next tokens' embeddings [b, s, dim] -> this
-        depth's streams (the next depth's input) and its experts' routing statistics; the
-        block's inputs as the main layers'."""
-        x = self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
-        return self.block(x, cos, sin, doc_ids, None, None, shard)
+        depth's streams (the next depth's input) and its experts' routing statistics; ``ctx``
+        as a main sliding layer's (no cache, no routes to replay)."""
+        kernels = ctx.kernels
+        embedded, streams = self.enorm(embedded, kernels), self.hnorm(streams, kernels)
+        return self.block(self.e_proj(embedded).unsqueeze(2) + self.h_proj(streams), ctx)
 
 
 def shifted_ids(input_ids: torch.Tensor, ahead: int, shard: SequenceShard | None) -> torch.Tensor:
@@ -102,20 +98,18 @@ def predict_ahead(
     streams: torch.Tensor,
     embedding: nn.Embedding,
     input_ids: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    doc_ids: torch.Tensor,
-    shard: SequenceShard | None,
+    ctx: CompressedContext,
     routing: list[RoutingStats],
 ) -> list[torch.Tensor]:
-    """Each depth's normed hidden state [b, s, dim] from the main model's last streams; each
-    depth's routing statistics join ``routing`` (the forward's, ``keep_routing``)."""
+    """Each depth's normed hidden state [b, s, dim] from the main model's last streams, its
+    block run on ``ctx``; each depth's routing statistics join ``routing`` (the forward's,
+    ``keep_routing``)."""
     normed = []
     for k, depth in enumerate(depths):
-        embedded = embedding(shifted_ids(input_ids, k + 1, shard))
-        streams, stats = depth(streams, embedded, cos, sin, doc_ids, shard)
+        embedded = embedding(shifted_ids(input_ids, k + 1, ctx.shard))
+        streams, stats = depth(streams, embedded, ctx)
         keep_routing(routing, depth.block.feed_forward, stats)
-        normed.append(depth.norm(depth.hc_head(streams)))
+        normed.append(depth.norm(depth.hc_head(streams), ctx.kernels))
     return normed
 
 

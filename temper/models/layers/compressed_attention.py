@@ -24,17 +24,31 @@ the whole history per step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from temper.data.batch import SequenceShard
 from temper.kernels.attention import attention, causal_band
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows, rope_tail
+from temper.models.layers.context import ForwardContext
 from temper.models.layers.grouped_linear import GroupedLinear
 from temper.models.layers.init import init_linear
-from temper.models.layers.kv_cache import LayerCache
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.sparse_attention import gather_sequence
+
+
+@dataclass(frozen=True)
+class CompressedContext(ForwardContext):
+    """DeepSeek V4's forward context: the shared one, with ``cos``/``sin`` its layer kind's
+    rotary over all s tokens (the whole sequence under sequence parallelism, the whole
+    history when decoding), and what its compressed attention reads besides."""
+
+    doc_ids: torch.Tensor | None = None
+    """[b, s] each token's document (packed ones attend and compress apart); the model
+    always sets it."""
+    windows: Windows | None = None
+    """The compressor's windows over the s tokens, of the layer's ratio (compressed layers)."""
 
 
 class CompressedAttention(nn.Module):
@@ -88,27 +102,17 @@ class CompressedAttention(nn.Module):
             if part is not None:
                 part.init_weights(std)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        doc_ids: torch.Tensor,
-        windows: Windows | None = None,
-        cache: LayerCache | None = None,
-        shard: SequenceShard | None = None,
-    ) -> torch.Tensor:
-        """x [b, n, dim] of whole rows, of the next n tokens with a ``cache`` (decoding:
+    def forward(self, x: torch.Tensor, ctx: CompressedContext) -> torch.Tensor:
+        """x [b, n, dim] of whole rows, of the next n tokens with a ``ctx.cache`` (decoding:
         the cache keeps every earlier input, from which keys and entries are recomputed), or
-        of this rank's slice of each row with a sequence-parallel ``shard`` (the slices are
-        gathered into the keys' side); ``doc_ids`` [b, s] the documents of all s tokens
-        (packed ones attend apart), cos/sin [b, s, rope_dim] the layer's rotary at each
-        one's position in its document, ``windows`` of the compressor's ratio over them, in
-        compressed layers."""
+        of this rank's slice of each row with a sequence-parallel ``ctx.shard`` (the slices
+        are gathered into the keys' side); ``ctx.doc_ids``, ``ctx.cos``/``ctx.sin`` and
+        ``ctx.windows`` span all s tokens (``CompressedContext``)."""
+        cos, sin, doc_ids, windows, shard = ctx.cos, ctx.sin, ctx.doc_ids, ctx.windows, ctx.shard
         b, n, _ = x.shape
         q_x = x
-        if cache is not None:
-            x = cache.keep("inputs", x)
+        if ctx.cache is not None:
+            x = ctx.cache.keep("inputs", x)
         elif shard is not None:
             x = gather_sequence(x, shard.group)
         s = x.shape[1]
@@ -116,11 +120,12 @@ class CompressedAttention(nn.Module):
         first = shard.start if shard is not None else s - n
         q_cos, q_sin = cos[:, first : first + n], sin[:, first : first + n]
         q_docs = doc_ids[:, first : first + n]
-        q_latent = self.q_norm(self.wq_a(q_x))
+        q_latent = self.q_norm(self.wq_a(q_x), ctx.kernels)
         q = self.wq_b(q_latent).view(b, n, self.n_heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.norm_eps).to(q.dtype)
-        q = rope_tail(q, q_cos, q_sin)
-        kv = rope_tail(self.kv_norm(self.wkv(x)).unsqueeze(2), cos, sin)
+        rope = ctx.kernels.rope
+        q = rope_tail(q, q_cos, q_sin, rope)
+        kv = rope_tail(self.kv_norm(self.wkv(x), ctx.kernels).unsqueeze(2), cos, sin, rope)
         band = causal_band(s - first, s, self.window, x.device)[:n]
         sees = band & (q_docs[:, :, None] == doc_ids[:, None])
         if self.compressor is not None:
@@ -134,5 +139,5 @@ class CompressedAttention(nn.Module):
             kv = torch.cat((kv, entries.unsqueeze(2)), dim=1)
             sees = torch.cat((sees, seen), dim=-1)
         out = attention(q, kv, kv, mask=sees[:, None], scale=self.head_dim**-0.5, sinks=self.sinks)
-        out = rope_tail(out, q_cos, -q_sin)
+        out = rope_tail(out, q_cos, -q_sin, rope)
         return self.wo_b(self.wo_a(out.reshape(b, n, self.o_groups, -1)).flatten(2))

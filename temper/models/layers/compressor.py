@@ -29,17 +29,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from temper.kernels.dispatch import Impl
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
 from temper.models.layers.sparse_attention import index_scores, select_top_k
 
 
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_tail(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: Impl | None = None
+) -> torch.Tensor:
     """Rotate the last ``cos.shape[-1]`` dims of x [b, s, h, d] in interleaved pairs by cos/sin
-    [b, s, rope_dim] (rotate-half layout, ``rope_cos_sin``'s), leaving the pairs in place."""
+    [b, s, rope_dim] (rotate-half layout, ``rope_cos_sin``'s), leaving the pairs in place;
+    ``impl``: the rotation's kernel (None: the reference)."""
     r = cos.shape[-1]
-    turned = apply_rope(x[..., -r:], cos, sin, interleaved=True)  # evens, then odds
+    turned = apply_rope(x[..., -r:], cos, sin, True, impl)  # interleaved: evens, then odds
     turned = torch.stack(turned.chunk(2, dim=-1), dim=-1).flatten(-2)
     return torch.cat((x[..., :-r], turned), dim=-1)
 
