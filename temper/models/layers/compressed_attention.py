@@ -131,11 +131,11 @@ class CompressedAttention(nn.Module):
         if self.compressor is not None:
             if windows is None or windows.ratio != self.compressor.ratio:
                 raise ValueError(f"a compressed layer needs its windows of {self.compressor.ratio}")
-            entries = self.compressor(x, cos, sin, windows)
+            entries = self.compressor(x, cos, sin, windows, ctx.kernels)
             if self.indexer is None:
                 seen = windows.visible()[:, first : first + n]
             else:
-                seen = self.indexer(x, q_latent, cos, sin, windows, first)
+                seen = self.indexer(x, q_latent, cos, sin, windows, first, ctx.kernels)
             kv = torch.cat((kv, entries.unsqueeze(2)), dim=1)
             sees = torch.cat((sees, seen), dim=-1)
         out = attention(q, kv, kv, mask=sees[:, None], scale=self.head_dim**-0.5, sinks=self.sinks)

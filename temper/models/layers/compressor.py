@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from temper.kernels.dispatch import Impl
+from temper.kernels.dispatch import REFERENCE, Impl, Kernels
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import apply_rope
@@ -134,11 +134,16 @@ class Compressor(nn.Module):
         self.kv_norm.reset_parameters()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, windows: Windows
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        windows: Windows,
+        kernels: Kernels = REFERENCE,
     ) -> torch.Tensor:
         """The entries [b, n, head_dim] of x's ``windows`` (of this compressor's ratio);
         cos/sin [b, s, r] are the rotary of each token's position (an entry takes its
-        window's first)."""
+        window's first); its norm and rotary run as ``kernels`` says."""
         kv, gate = self.kv_proj(x), self.gate_proj(x)
         window_kv = windows.gather(kv)
         window_gate = windows.gather(gate) + self.position_bias
@@ -152,11 +157,11 @@ class Compressor(nn.Module):
             window_kv = torch.cat((windows.gather(kv, back=1)[..., :d], window_kv[..., d:]), 2)
             window_gate = torch.cat((prev_gate, window_gate[..., d:]), dim=2)
         weights = window_gate.softmax(dim=2, dtype=torch.float32).to(window_kv.dtype)
-        entries = self.kv_norm((window_kv * weights).sum(dim=2))
+        entries = self.kv_norm((window_kv * weights).sum(dim=2), kernels)
         b = entries.shape[0]
         at = windows.starts.unsqueeze(-1).expand(-1, -1, cos.shape[-1])
         cos, sin = (t.expand(b, -1, -1).gather(1, at) for t in (cos, sin))
-        return rope_tail(entries.unsqueeze(2), cos, sin)[:, :, 0]
+        return rope_tail(entries.unsqueeze(2), cos, sin, kernels.rope)[:, :, 0]
 
 
 class CompressedIndexer(nn.Module):
@@ -199,15 +204,17 @@ class CompressedIndexer(nn.Module):
         sin: torch.Tensor,
         windows: Windows,
         first: int,
+        kernels: Kernels = REFERENCE,
     ) -> torch.Tensor:
         """[b, n, entries] True at the entries of ``windows`` each of the n tokens of
         x [b, s, dim] from ``first`` on (their query latent [b, n, q_lora_rank]) reads: its
-        ``topk`` best of those it sees (all when fewer); cos/sin as for ``Compressor``."""
+        ``topk`` best of those it sees (all when fewer); cos/sin and ``kernels`` as for
+        ``Compressor``."""
         b, s, _ = x.shape
         n = q_latent.shape[1]
         queries = slice(first, first + n)
-        keys = self.compressor(x, cos, sin, windows)
+        keys = self.compressor(x, cos, sin, windows, kernels)
         q = self.q_proj(q_latent).view(b, n, self.n_heads, self.head_dim)
-        q = rope_tail(q, cos[:, queries], sin[:, queries])
+        q = rope_tail(q, cos[:, queries], sin[:, queries], kernels.rope)
         scores = index_scores(q, keys, x[:, queries], self.weights_proj)
         return select_top_k(scores, windows.visible()[:, queries], self.topk)
