@@ -18,7 +18,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from temper.generation.fsdp import gathered_weights
-from temper.generation.sampling import check_sampling, greedy_pick, sample_next
+from temper.generation.sampling import (
+    check_sampling,
+    greedy_pick,
+    sample_next,
+    sample_with_log_prob,
+    token_log_prob,
+)
 from temper.models.layers.kv_cache import KVCache, StaticKVCache
 
 Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]
@@ -103,31 +109,43 @@ def generate(
     with gathered_weights(model):
         cache.open(ids.shape[1])
         logits = model(ids, positions, cache=cache)[:, -1].float()
-        token = sample_next(logits, temperature, top_k, top_p, generator)
+        picked = None
         position = positions[:, -1:]
         for step in range(max_new_tokens):
+            token, log_prob = _next_token(
+                logits, picked, temperature, top_k, top_p, generator, log_probs is not None
+            )
             # A finished row still runs (the batch moves together) on what it samples; what
             # follows its stop token is padded over after the loop (``_cut_at_stops``), so
             # pad_id never reaches the model and needs no embedding.
             tokens[:, step] = token
             if log_probs is not None:
-                log_probs[:, step] = _log_prob(logits, token, temperature)
+                log_probs[:, step] = log_prob
             if step == max_new_tokens - 1 or _all_stopped(tokens, step, stop, lockstep_group):
                 break
             position = position + 1
             cache.open(1)
             logits, picked = step_fn(model, token[:, None], position, cache, greedy)
-            if picked is None:
-                picked = sample_next(logits, temperature, top_k, top_p, generator)
-            token = picked
     lengths = _cut_at_stops(tokens[:, : step + 1], log_probs, stop, pad_id)
     return Generation(tokens, lengths, log_probs)
 
 
-def _log_prob(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log-probability [b] of each row's ``token`` under softmax(logits / temperature)."""
-    scaled = logits / temperature if temperature > 0 else logits
-    return scaled.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
+def _next_token(
+    logits: torch.Tensor,
+    picked: torch.Tensor | None,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    generator: torch.Generator | None,
+    with_log_prob: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The next tokens [b] from ``logits`` [b, vocab] (``picked`` when the compiled step
+    already took the greedy ones) and, when asked, their log-probabilities [b]."""
+    if picked is not None:
+        return picked, token_log_prob(logits, picked, temperature) if with_log_prob else None
+    if not with_log_prob:
+        return sample_next(logits, temperature, top_k, top_p, generator), None
+    return sample_with_log_prob(logits, temperature, top_k, top_p, generator)
 
 
 STOP_CHECK_EVERY = 8

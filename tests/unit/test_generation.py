@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from temper.data.batch import IGNORE_INDEX
 from temper.generation import KVCache, decoding, generate, sample_next
-from temper.generation.sampling import greedy_pick
+from temper.generation.sampling import greedy_pick, sample_with_log_prob
 from temper.kernels.attention import AttentionBackendError, attention
 from temper.kernels.cross_entropy import linear_log_probs
 from temper.models import get_model_spec, load_hf, materialize
@@ -180,6 +180,47 @@ def test_the_compiled_greedy_pick_is_argmax_ties_included() -> None:
             0,
         ]
     )
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, None, 1.0), (0.7, None, 1.0), (1.0, 5, 0.9), (0.0, None, 1.0)],
+)
+def test_sample_with_log_prob_draws_the_reference_tokens_and_log_softmax(
+    temperature: float, top_k: int | None, top_p: float
+) -> None:
+    """The one-pass draw (log-prob read from the sampled probabilities, no division at
+    temperature 1) against the definition on the same generator state: multinomial over the
+    filtered softmax(logits / temperature), log_softmax of the unfiltered scaled logits (greedy:
+    argmax, temperature 1); and generate's tokens with and without log-probs agree."""
+    torch.manual_seed(0)
+    logits = torch.randn(32, 200) * 3
+    token, log_prob = sample_with_log_prob(
+        logits, temperature, top_k, top_p, torch.Generator().manual_seed(3)
+    )
+    scaled = logits / (temperature or 1.0)
+    if temperature == 0:
+        expected = logits.argmax(dim=-1)
+    else:
+        kept = scaled.masked_fill(scaled < scaled.topk(top_k or 200).values[:, -1:], -torch.inf)
+        probs = kept.softmax(dim=-1)
+        # Nucleus: a token goes when the tokens more likely than it already hold top_p.
+        ahead = (probs[:, None, :] * (probs[:, None, :] > probs[:, :, None])).sum(dim=-1)
+        kept = kept.masked_fill(ahead >= top_p, -torch.inf)
+        draw = torch.Generator().manual_seed(3)
+        expected = torch.multinomial(kept.softmax(dim=-1), 1, generator=draw).squeeze(1)
+    assert torch.equal(token, expected)
+    reference = scaled.log_softmax(dim=-1).gather(1, expected[:, None]).squeeze(1)
+    torch.testing.assert_close(log_prob, reference, rtol=0, atol=2e-6)
+    model = tiny_model("qwen3")
+    runs = [
+        generate(
+            model, PROMPTS, NEW, temperature, top_k=top_k, top_p=top_p,
+            generator=torch.Generator().manual_seed(5), return_log_probs=with_log_probs,
+        ).tokens
+        for with_log_probs in (False, True)
+    ]  # fmt: skip
+    assert torch.equal(*runs)
 
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
