@@ -87,7 +87,7 @@ class DeepseekV3Transformer(MoEDecoder):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         cos, sin = rope_cos_sin(self.inv_freq, position_ids)
         backend, docs = prepare_documents(self.attn_backend, docs, h, h.shape[1])
-        ctx = ForwardContext(cos, sin, docs, backend)
+        ctx = ForwardContext(cos, sin, docs, backend, kernels=self.kernels)
         # Rolled, the last columns hold wrapped tokens: their targets are ignored, and causal
         # attention keeps them from every other position.
         embedded = self.tok_embeddings(input_ids)
@@ -95,7 +95,7 @@ class DeepseekV3Transformer(MoEDecoder):
         for k, depth in enumerate(self.mtp):
             h, stats = depth(h, embedded.roll(-(k + 1), dims=1), ctx)
             keep_routing(self.last_routing, depth.block.feed_forward, stats)
-            normed.append(depth.norm(h))
+            normed.append(depth.norm(h, self.kernels))
         return normed
 
     def mtp_loss(

@@ -55,7 +55,8 @@ class MultiTokenPredictor(nn.Module):
         """hidden [b, s, dim] and the next tokens' embeddings [b, s, dim] -> this depth's
         hidden state [b, s, dim] (before ``norm``; the next depth's input) and its block's
         routing statistics (``Block``'s)."""
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        normed = (self.enorm(embedded, ctx.kernels), self.hnorm(hidden, ctx.kernels))
+        x = self.eh_proj(torch.cat(normed, dim=-1))
         return self.block(x, ctx)
 
 
