@@ -216,7 +216,6 @@ def test_ring_attention_matches_one_process(
         assert calls == (FUSED_CALLS.get(case.name, [0] * size) if fused else [0] * size)
 
 
-@pytest.mark.slow
 def test_cp2_halves_each_ranks_activation_peak(tmp_path: Path) -> None:
     """Llama 3 debug, one continuous row of 4096 tokens, one training step: the busiest CP 2
     rank's live-tensor peak (``bench.context_parallel``'s count, over the tensors alive
