@@ -161,8 +161,9 @@ def test_grpo_at_cp2_trains_like_one_process(tmp_path: Path) -> None:
     roll out the whole prompts (one data rank, the same sampler) and training takes each
     rank's load-balanced part of the rows; the rollouts equal one process's token for token,
     the logged reward, length and entropy (each rank's share of the mean, times the ranks)
-    within 1e-5, both steps' losses and gradient norms within 3e-5 (measured: 8.8e-6 and
-    6.6e-6: the second step's loss, 0.0076, is a small difference of larger terms, and the
+    within 1e-5, both steps' losses and gradient norms within 5e-5 (measured: 3.5e-5 and
+    2.5e-6 with the ring's fused per-block kernel, 8.8e-6 and 6.6e-6 with its reference: the
+    second step's loss, 0.0076, is a small difference of larger terms (about 0.066), and the
     ring's fp32 sums round differently from SDPA's)."""
     from test_rollout_layouts import _moe_config, _train_recording
 
@@ -181,7 +182,7 @@ def test_grpo_at_cp2_trains_like_one_process(tmp_path: Path) -> None:
                 torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-4)
     rows, reference = ranks[0]["rows"], single["rows"]
     assert all(row["grad_norm"] > 0 for row in reference)
-    assert_same_metrics(rows, reference, rel=3e-5)
+    assert_same_metrics(rows, reference, rel=5e-5)
     for row, ref in zip(rows, reference, strict=True):
         for name in ("reward_mean", "response_length", "entropy"):
             assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), name
