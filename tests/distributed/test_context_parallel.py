@@ -57,6 +57,7 @@ CP2_CASES = (
     Case("mla", kv_heads=4, head_dim=12, v_dim=6, scale=0.3),
     Case("mla_rows_wide_window", kv_heads=4, head_dim=12, v_dim=6, packed=False, window=20),
     Case("one_boundary", documents=([6, 18],)),
+    Case("sinks_rows", packed=False, sinks=True),
 )
 CP4_CASES = (Case("all", window=4, sinks=True, v_dim=6),)
 
@@ -173,14 +174,16 @@ FUSED_CALLS = {
     "causal_rows": [4, 4],
     "mla_rows_wide_window": [2, 4],
     "one_boundary": [2, 2],
+    "sinks_rows": [4, 4],
 }
 """Fused kernel calls per rank (forward + backward) at CP 2, by hand from the layout (rank 0
 holds columns 0-5 and 18-23, rank 1 6-17); other cases make none. Continuous rows: both
-blocks on both ranks. A window of 20: rank 0's own block spans 23 columns (cut), its
-rectangle of rank 1's keys 6-17 against its queries 18-23 spans 17 (whole), and rank 1's two
-17 and 11. Documents 0-5 and 6-23: rank 0's own block and rank 1's rectangle of rank 0's
-keys (0-5 against 6-17) cross the boundary, the other two do not. The packed rows of the
-other cases cross a boundary in every block, and CP 4's window of 4 cuts every block."""
+blocks on both ranks, with sinks too (added after the merge). A window of 20: rank 0's own
+block spans 23 columns (cut), its rectangle of rank 1's keys 6-17 against its queries 18-23
+spans 17 (whole), and rank 1's two 17 and 11. Documents 0-5 and 6-23: rank 0's own block
+and rank 1's rectangle of rank 0's keys (0-5 against 6-17) cross the boundary, the other two
+do not. The packed rows of the other cases cross a boundary in every block, and CP 4's
+window of 4 cuts every block."""
 
 
 @pytest.mark.parametrize(
