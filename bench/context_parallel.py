@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from bench.plan_memory import LiveTensors, _local
+from bench.plan_memory import step_tensor_peak
 
 GIB = 2**30
 
@@ -57,17 +57,9 @@ def measure_rank(
     batches = iter(trainer.loader)
     for _ in range(steps - 1):
         trainer.train_step([next(batches)])
-    model, optimizer = trainer.engine.model, trainer.engine.optimizer
-    held = [*model.parameters(), *model.buffers()]
-    held += [v for state in optimizer.state.values() for v in state.values()]
-    held = [t for t in held if isinstance(t, torch.Tensor)]
-    alive = sum(_local(t).untyped_storage().nbytes() for t in held)
-    tracker = LiveTensors(held)
     start = time.perf_counter()
-    with tracker:
-        trainer.train_step([next(batches)])
-    seconds = time.perf_counter() - start
-    return tracker.bytes.peak / GIB, alive / GIB, seconds
+    alive, peak = step_tensor_peak(trainer, next(batches))
+    return peak / GIB, alive / GIB, time.perf_counter() - start
 
 
 def time_attention(seq_len: int, fused: bool, overlap: bool) -> float:

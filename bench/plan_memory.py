@@ -34,6 +34,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,6 +116,13 @@ def _measure(recipe: str, folder: str, argv: list[str]) -> tuple[float, float, t
     _reset_peak(trainer.engine.device)
     trainer.train_step([next(batches)])
     rss = _peak_rss_gib() - before
+    alive, peak = step_tensor_peak(trainer, next(batches))
+    return rss, (alive + peak) / 2**30, _routed(trainer.engine.model)
+
+
+def step_tensor_peak(trainer: Any, batch: Any) -> tuple[int, int]:
+    """Bytes of the tensors alive before one training step on ``batch`` (weights, buffers,
+    optimizer state) and the live-tensor peak of that step above them."""
     model, optimizer = trainer.engine.model, trainer.engine.optimizer
     held = [*model.parameters(), *model.buffers()]
     held += [v for state in optimizer.state.values() for v in state.values()]
@@ -122,8 +130,8 @@ def _measure(recipe: str, folder: str, argv: list[str]) -> tuple[float, float, t
     alive = sum(_local(t).untyped_storage().nbytes() for t in held)
     tracker = LiveTensors(held)
     with tracker:
-        trainer.train_step([next(batches)])
-    return rss, (alive + tracker.bytes.peak) / 2**30, _routed(model)
+        trainer.train_step([batch])
+    return alive, tracker.bytes.peak
 
 
 def _routed(model: torch.nn.Module) -> torch.Tensor:
