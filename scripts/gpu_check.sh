@@ -48,12 +48,14 @@ triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/g
 # on that kernel against the masked reference: TESTS_K=sparse runs those alone), the flash
 # varlen / flex attention backends, gpt-oss's sinks and windows through flex, selective
 # checkpointing keeping each backend's output, FLA's gated delta rule when fla is installed,
-# and the FP8 routed experts (torchao's FP8 grouped GEMM, sm90+) against bf16. TESTS_K
+# the FP8 routed experts (torchao's FP8 grouped GEMM, sm90+) against bf16, and ring
+# attention's per-block flash kernel (compat.fused_attention_*, bf16). TESTS_K
 # narrows them (a pytest -k expression).
 step tests 240 "$PY" -m pytest -v --tb=short -p no:cacheprovider -rs \
   -k "${TESTS_K:-cuda or gpu or triton}" tests/unit/test_kernels_triton.py \
   tests/unit/test_attention.py tests/unit/test_gpt_oss.py tests/unit/test_gated_deltanet.py \
-  tests/distributed/test_activation_checkpoint.py tests/unit/test_float8_experts.py
+  tests/distributed/test_activation_checkpoint.py tests/unit/test_float8_experts.py \
+  tests/unit/test_fused_block_attention.py
 
 # Observability (docs/observability.md): a traced step, an allocator snapshot and a MoE load
 # map from a short CUDA run, each file checked; then the dry run's peak estimate against the
