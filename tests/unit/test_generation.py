@@ -190,7 +190,7 @@ def test_sample_with_log_prob_draws_the_reference_tokens_and_log_softmax(
     temperature: float, top_k: int | None, top_p: float
 ) -> None:
     """The one-pass draw (log-prob read from the sampled probabilities, no division at
-    temperature 1) against the definition on the same generator state: multinomial over the
+    temperature 1) against the definition on the same generator state: inverse CDF over the
     filtered softmax(logits / temperature), log_softmax of the unfiltered scaled logits (greedy:
     argmax, temperature 1); and generate's tokens with and without log-probs agree."""
     torch.manual_seed(0)
@@ -207,8 +207,11 @@ def test_sample_with_log_prob_draws_the_reference_tokens_and_log_softmax(
         # Nucleus: a token goes when the tokens more likely than it already hold top_p.
         ahead = (probs[:, None, :] * (probs[:, None, :] > probs[:, :, None])).sum(dim=-1)
         kept = kept.masked_fill(ahead >= top_p, -torch.inf)
-        draw = torch.Generator().manual_seed(3)
-        expected = torch.multinomial(kept.softmax(dim=-1), 1, generator=draw).squeeze(1)
+        # Inverse CDF with one fp64 uniform per row: the tokens whose running sum stays at or
+        # below u times the total come before the drawn one.
+        cdf = kept.softmax(dim=-1).double().cumsum(dim=-1)
+        u = torch.rand(32, 1, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        expected = (cdf <= u * cdf[:, -1:]).sum(dim=-1)
     assert torch.equal(token, expected)
     reference = scaled.log_softmax(dim=-1).gather(1, expected[:, None]).squeeze(1)
     torch.testing.assert_close(log_prob, reference, rtol=0, atol=2e-6)
