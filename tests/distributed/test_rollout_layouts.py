@@ -197,8 +197,8 @@ def test_grpo_under_expert_parallelism_decodes_in_lockstep_like_one_process(
     the rollouts equal token for token and every step's metrics within 1e-5, although the
     ranks stop decoding at different steps (each token's forward is an all-to-all between
     them: without lockstep decoding the rank that finishes first leaves the other waiting)."""
-    single = run_on_ranks(_train_recording, 1, _moe_config(tmp_path / "single", 1), 8)[0]
-    ep = run_on_ranks(_train_recording, 2, _moe_config(tmp_path / "ep", 2), 8, timeout=180)
+    single = run_on_ranks(_train_recording, 1, _moe_config(tmp_path / "single", 1), 7)[0]
+    ep = run_on_ranks(_train_recording, 2, _moe_config(tmp_path / "ep", 2), 7, timeout=180)
     # One process rolls out micro-batch j as data rank j does.
     assert len(ep[0]["rollouts"]) == 1 and len(single["rollouts"]) == 2
     lengths = []
