@@ -40,7 +40,7 @@ def test_recomputed_backward_equals_the_stored_one() -> None:
     layer, (q, k, v, _, b, a) = _layer_and_inputs()
     upstream = torch.randn(*v.shape, generator=torch.Generator().manual_seed(1))
     inputs = (q, k, v, b, a, *layer.parameters())
-    stored = gated_deltanet._mix(layer, q, k, v, b, a, None, None, 0, 1)
+    stored = gated_deltanet._mix(layer, q, k, v, b, a, None, None, 0, 1, None)
     want = torch.autograd.grad(stored, inputs, upstream, allow_unused=True)
     out = gated_delta_mix(layer, q, k, v, b, a)
     got = torch.autograd.grad(out, inputs, upstream, allow_unused=True)
