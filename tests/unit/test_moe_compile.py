@@ -139,3 +139,14 @@ def test_checkpointed_compiled_step_routes_as_the_plain_eager_step() -> None:
     for name, p in checked.named_parameters():
         torch.testing.assert_close(p.grad, want_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
     torch.compiler.reset()
+
+
+@pytest.mark.slow
+def test_compiled_sparse_attention_blocks_train_as_eager() -> None:
+    """DeepSeek V3.2's blocks (MLA with the lightning indexer's top-k selection, group-limited
+    MoE) compile whole under full checkpointing and train as eager ones, on a row longer than
+    ``index_topk`` (16 here) so the selection matters."""
+    torch.manual_seed(0)
+    model = build_model("deepseek_v32", "debug", overrides={"index_topk": 16})
+    eager, compiled = _eager_and_compiled(model, "full", "aot_eager")
+    _assert_trains_alike(eager, compiled, torch.randint(0, 64, (2, 48)))
