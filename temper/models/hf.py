@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from temper.models.layers.rope import RopeScaling, YarnScaling
 from temper.models.lora import LoRALinear, full_tensor, merged_weight
 from temper.models.mxfp4 import Mxfp4Folder
+from temper.models.quantized import BlockScaledFolder, quantized_view
 from temper.models.registry import ModelSpec, all_model_specs, replace_args, spec_of
 from temper.models.safetensors_io import (
     DEFAULT_SHARD_BYTES,
@@ -70,6 +71,10 @@ class HFAdapter:
     carried_prefixes: tuple[str, ...] = ()
     """HF tensors the native model does not hold that an export copies from the folder it
     was loaded from, untouched (Qwen3.5's multi-token-prediction layers, ``mtp.``)."""
+    hub_spelling: tuple[tuple[str, str], ...] = ()
+    """(transformers' name prefix, the released checkpoint's) pairs, for a family whose hub
+    folders use the lab's own names (DeepSeek V4's ``embed.weight``): a folder holding the
+    first pair's released name is read in that spelling. Exports write transformers'."""
 
 
 def find_hf_family(hf_config: dict[str, Any], where: Path) -> ModelSpec:
@@ -146,8 +151,9 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     is copied (`check_hf_weights`), and a tensor holding NaN or inf is refused as it is read
     (WeightError). Floating tensors are cast to the parameter's dtype as they are (a bf16
     folder into an fp32 model). A sharded parameter reads only its own rows of stacked
-    experts. A folder whose config.json says ``quant_method: mxfp4`` (gpt-oss releases) has
-    its MXFP4 tensors dequantized as they are read.
+    experts. A folder whose config.json says ``quant_method: mxfp4`` (gpt-oss releases) or
+    ``fp8`` (DeepSeek V3 / V4 releases: block-scaled FP8, FP4 experts) has its quantized
+    tensors dequantized as they are read (``open_tensors``).
     """
     rules, tensors = _checked_sources(model, folder)
     params = named_tensors(model)
@@ -183,7 +189,7 @@ def check_hf_weights(model: nn.Module, folder: str | os.PathLike[str]) -> None:
 
 def _checked_sources(
     model: nn.Module, folder: str | os.PathLike[str]
-) -> tuple[list[KeyRule], SafetensorsFolder | Mxfp4Folder]:
+) -> tuple[list[KeyRule], Tensors]:
     """The model's rules and the folder's tensors, every missing, mis-shaped and integer-typed
     tensor (for a floating parameter: an integer cast to float is never a weight) named in one
     error."""
@@ -214,15 +220,60 @@ def _checked_sources(
     return rules, tensors
 
 
-def open_tensors(folder: str | os.PathLike[str]) -> SafetensorsFolder | Mxfp4Folder:
-    """The folder's tensors by name, MXFP4 pairs read as their dequantized tensor when its
-    config.json declares that quantization."""
-    tensors = SafetensorsFolder(folder)
-    config = inside(folder, "config.json")
-    if not config.is_file():
+def open_tensors(folder: str | os.PathLike[str]) -> Tensors:
+    """The folder's tensors by transformers' names, quantized weights read as their
+    dequantized tensor when its config.json declares a quantization (MXFP4, or block-scaled
+    FP8 / FP4: ``temper.models.quantized``), and a hub folder in its lab's own names
+    (``HFAdapter.hub_spelling``) read under transformers'."""
+    tensors: Tensors = SafetensorsFolder(folder)
+    path = inside(folder, "config.json")
+    if not path.is_file():
         return tensors
-    quantization = read_json(config, "HF model config").get("quantization_config") or {}
-    return Mxfp4Folder(tensors) if quantization.get("quant_method") == "mxfp4" else tensors
+    config = read_json(path, "HF model config")
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") == "mxfp4":
+        tensors = Mxfp4Folder(tensors)
+    elif quantization:
+        tensors = quantized_view(tensors, quantization)
+    spelling = find_hf_family(config, path).hf_adapter.hub_spelling
+    if spelling and spelling[0][1] in tensors and spelling[0][0] not in tensors:
+        return HubSpelled(tensors, spelling)
+    return tensors
+
+
+class HubSpelled:
+    """A folder's tensors in a lab's own names, seen under transformers' names."""
+
+    def __init__(self, tensors: Tensors, spelling: tuple[tuple[str, str], ...]) -> None:
+        self.tensors = tensors
+        self.spelling = spelling
+        names = tensors.keys()
+        self._stored = {self._ours(key): key for key in names}
+
+    def _ours(self, key: str) -> str:
+        for ours, theirs in self.spelling:
+            if key.startswith(theirs):
+                return ours + key.removeprefix(theirs)
+        return key
+
+    def keys(self) -> list[str]:
+        return sorted(self._stored)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._stored
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.tensors.shape(self._stored[key])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors.dtype(self._stored[key])
+
+    def read(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        return self.tensors.read(self._stored[key], rows)
+
+
+Tensors = SafetensorsFolder | Mxfp4Folder | BlockScaledFolder | HubSpelled
+"""A folder's tensors by name, as ``open_tensors`` gives them."""
 
 
 def save_hf(
@@ -330,7 +381,7 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
 
 
-def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder | Mxfp4Folder) -> None:
+def _fill(param: torch.Tensor, rule: KeyRule, tensors: Tensors) -> None:
     if not isinstance(param, DTensor):
         param.copy_(_read_rows(rule, tensors, slice(0, param.shape[0])))
         return
@@ -343,9 +394,7 @@ def _fill(param: torch.Tensor, rule: KeyRule, tensors: SafetensorsFolder | Mxfp4
     local.copy_(value)
 
 
-def _read_rows(
-    rule: KeyRule, tensors: SafetensorsFolder | Mxfp4Folder, rows: slice
-) -> torch.Tensor:
+def _read_rows(rule: KeyRule, tensors: Tensors, rows: slice) -> torch.Tensor:
     """Rows `rows` of dim 0: a slice of one tensor, or a stack of only the needed experts."""
     if len(rule.hf) == 1:
         return tensors.read(rule.hf[0], rows)

@@ -282,6 +282,16 @@ def fit_to_folder(args: DeepseekV4Args, tensor_names: set[str]) -> DeepseekV4Arg
     return dataclasses.replace(args, mtp_depth=depth)
 
 
+HUB_SPELLING = (
+    ("model.embed_tokens.weight", "embed.weight"),
+    ("model.layers.", "layers."),
+    ("model.norm.weight", "norm.weight"),
+    ("model.hc_head.hc_", "hc_head_"),
+)
+"""transformers' names -> the released checkpoints' (deepseek-ai/DeepSeek-V4-*), which drop
+``model.`` and spell the embedding and the head's hyper-connection otherwise; ``head.weight``
+and ``mtp.*`` are the same in both."""
+
 ADAPTER = HFAdapter(
     model_types=("deepseek_v4",),
     args_from_hf=args_from_hf,
@@ -291,4 +301,5 @@ ADAPTER = HFAdapter(
     fit_to_folder=fit_to_folder,
     # The MTP depths the model leaves out (mtp_depth below the folder's), as they are.
     carried_prefixes=("mtp.",),
+    hub_spelling=HUB_SPELLING,
 )
