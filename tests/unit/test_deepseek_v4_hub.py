@@ -11,7 +11,7 @@ import torch
 from hf_parity import max_rel_err
 from safetensors.torch import load_file, save_file
 from test_deepseek_v4 import _ties_decided_alike, tiny_hf  # noqa: F401 (fixture)
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from temper.models import load_hf
 from temper.models.quantized import BlockScaledFolder
@@ -121,6 +121,22 @@ def test_quantized_weights_dequantize_exactly_and_match_transformers(
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert max_rel_err(native(ids), hf_model(ids).logits) < 1e-5
+
+
+def test_transformers_dequantizes_the_same_values(folders: dict[str, Path]) -> None:
+    """transformers' own CPU dequantization of the quantized hub folder agrees, except where it
+    departs from DeepSeek's layout: it takes a block as rows / scale rows, so the ragged
+    ``wq_a`` (12 rows, blocks of 8) comes out otherwise, and it leaves an FP8 ``head.weight``
+    unrenamed (unloaded)."""
+    quantized = FineGrainedFP8Config(dequantize=True)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        folders["quantized"], quantization_config=quantized, dtype=torch.float32
+    ).state_dict()
+    expected = AutoModelForCausalLM.from_pretrained(folders["dequantized"]).state_dict()
+    departs = {"model.layers.0.self_attn.q_a_proj.weight", "lm_head.weight"}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in expected
+    for name, value in expected.items():
+        assert name in departs or torch.equal(theirs[name], value), name
 
 
 def test_an_unsupported_quantization_is_named(folders: dict[str, Path], tmp_path: Path) -> None:
