@@ -18,6 +18,7 @@ e8m0 scale makes it exact) and cast to the parameter's dtype by the loader, one 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -122,9 +123,7 @@ class BlockScaledFolder:
         return self.tensors.dtype(key) in (torch.int8, torch.uint8)
 
 
-def quantized_view(
-    tensors: SafetensorsFolder, quantization: dict[str, object]
-) -> BlockScaledFolder:
+def quantized_view(tensors: SafetensorsFolder, quantization: dict[str, Any]) -> BlockScaledFolder:
     """The dequantizing view for a config's ``quantization_config``; ValueError naming a
     method or format that is not read here."""
     method = quantization.get("quant_method")
@@ -139,4 +138,9 @@ def quantized_view(
             f"{tensors.folder}: quantization_config.fmt {fmt!r} is not supported (e4m3 is)"
         )
     block = quantization.get("weight_block_size") or DEFAULT_BLOCK
-    return BlockScaledFolder(tensors, tuple(block))  # type: ignore[arg-type]
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(
+            f"{tensors.folder}: quantization_config.weight_block_size {block!r} is not two "
+            "positive integers"
+        )
+    return BlockScaledFolder(tensors, tuple(block))
