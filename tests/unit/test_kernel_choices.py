@@ -129,3 +129,36 @@ def test_deepseek_v4_blocks_run_the_models_kernels(monkeypatch: pytest.MonkeyPat
     names = {"rms_norm_reference", "apply_rope_reference", "swiglu_reference"}
     assert set(compiled) == names | {"permute_reference", "unpermute_reference"}
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_vision_tower_runs_the_models_rotary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3.5 VLM's vision tower rotates q and k with the model's rotary choice, as its
+    decoder does (it ran the reference whatever the run asked), with the same logits."""
+    from temper.models.layers import vision
+    from temper.models.qwen3_5_vl.args import FLAVORS
+    from temper.models.qwen3_5_vl.model import Qwen3_5VLTransformer
+
+    compiled = _recording(monkeypatch)
+    tower_impls: list[str | None] = []
+    real = vision.apply_rope
+
+    def spy(*args: Any, impl: str | None = None) -> torch.Tensor:
+        tower_impls.append(impl)
+        return real(*args, impl=impl)
+
+    monkeypatch.setattr(vision, "apply_rope", spy)
+    torch.manual_seed(0)
+    args = FLAVORS["debug"]
+    model = Qwen3_5VLTransformer(args)
+    model.init_weights()
+    grid = torch.tensor([[1, 2, 2]])  # 4 patches, one image token after the 2 x 2 merge
+    pixels = torch.randn(4, args.vision.in_channels * 2 * args.vision.patch_size**2)
+    ids = torch.tensor([[5, 6, args.image_token_id, 7, 8]])
+    with torch.no_grad():
+        plain = model(ids, pixel_values=pixels, image_grid_thw=grid)
+        assert compiled == [] and set(tower_impls) == {"reference"}
+        tower_impls.clear()
+        model.use_kernels(Kernels(rope="compile"))
+        fused = model(ids, pixel_values=pixels, image_grid_thw=grid)
+    assert set(tower_impls) == {"compile"} and "apply_rope_reference" in compiled
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from temper.kernels.dispatch import Kernels
 from temper.models.layers.rope import apply_rope
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -80,12 +81,20 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: list[int]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        frames: list[int],
+        kernels: Kernels,
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.n_heads, -1).unbind(1)
-        # Rotary in fp32, as the reference does, then back to the activations' dtype.
-        q, k = (apply_rope(t[None].float(), cos, sin)[0].to(x.dtype) for t in (q, k))
+        # Rotary in fp32, as the reference does, then back to the activations' dtype; with the
+        # run's rotary kernel, as the decoder's attention has.
+        q, k = (
+            apply_rope(t[None].float(), cos, sin, impl=kernels.rope)[0].to(x.dtype) for t in (q, k)
+        )
         out = [
             F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv))[0]
             for qkv in zip(*(t.split(frames) for t in (q, k, v)), strict=True)
@@ -115,9 +124,14 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(args.dim, args.ffn_hidden_dim, args.activation)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: list[int]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        frames: list[int],
+        kernels: Kernels,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, frames)
+        x = x + self.attn(self.norm1(x), cos, sin, frames, kernels)
         return x + self.mlp(self.norm2(x))
 
 
@@ -138,8 +152,9 @@ class PatchMerger(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """``forward(pixel_values, grid_thw)`` -> features [sum(t * h * w) / merge^2, out_dim], one
-    row per image token, images in order."""
+    """``forward(pixel_values, grid_thw, kernels)`` -> features [sum(t * h * w) / merge^2,
+    out_dim], one row per image token, images in order; ``kernels``: the fused ops' choices
+    (the language model's own, ``use_kernels``)."""
 
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
@@ -164,7 +179,9 @@ class VisionTower(nn.Module):
         exponents = torch.arange(0, quarter, 2, dtype=torch.float32) / quarter
         return 1.0 / self.args.rope_theta**exponents
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, kernels: Kernels
+    ) -> torch.Tensor:
         grids = [tuple(g) for g in grid_thw.tolist()]
         weight = self.patch_embed["weight"]
         x = F.linear(pixel_values.to(weight.dtype), weight.flatten(1), self.patch_embed["bias"])
@@ -172,7 +189,7 @@ class VisionTower(nn.Module):
         cos, sin = self.rope(grids)
         frames = [h * w for t, h, w in grids for _ in range(t)]
         for block in self.blocks:
-            x = block(x, cos, sin, frames)
+            x = block(x, cos, sin, frames, kernels)
         return self.merger(x)
 
     def merge_block_order(self, h: int, w: int) -> torch.Tensor:

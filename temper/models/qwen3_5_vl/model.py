@@ -9,6 +9,7 @@ from torch import nn
 
 from temper.data.batch import SequenceShard
 from temper.data.mrope_positions import mrope_positions
+from temper.kernels.dispatch import Kernels
 from temper.models.layers.vision import VisionTower
 from temper.models.qwen3_5.model import Qwen3_5Transformer
 from temper.models.qwen3_5_moe.model import Qwen3_5MoeTransformer
@@ -26,6 +27,7 @@ class VisionLanguage(nn.Module):
     args: Qwen3_5VLArgs
     tok_embeddings: nn.Embedding
     output: nn.Linear
+    kernels: Kernels
 
     def __init__(self, args: Qwen3_5VLArgs) -> None:
         super().__init__(args)
@@ -46,7 +48,7 @@ class VisionLanguage(nn.Module):
         h = self.tok_embeddings(input_ids)
         if pixel_values is None:
             return h
-        features = self.visual(pixel_values, image_grid_thw)
+        features = self.visual(pixel_values, image_grid_thw, self.kernels)
         is_image = input_ids == self.args.image_token_id
         n_tokens = int(is_image.sum())
         if n_tokens != features.shape[0]:
