@@ -8,19 +8,14 @@ optimizer step (the model's `update_expert_bias`), and `router_aux_loss_coef` is
 
 from __future__ import annotations
 
-from temper.config import Config, Job, LRScheduler, Model, Optimizer, Training
+from temper.config import Config, Model
+from temper.recipes.shapes import debug_pretrain, gpu_pretrain
 
 
 def deepseek_v3_debug() -> Config:
     """A ~7.8M-parameter DeepSeek V3 (MLA, 8 experts in 2 groups, top 2, a shared expert,
     layer 0 dense) on the built-in synthetic tasks; trains on a CPU in about a minute."""
-    return Config(
-        job=Job(dump_folder="./outputs/deepseek_v3_debug"),
-        model=Model(name="deepseek_v3", flavor="debug"),
-        training=Training(steps=60, seq_len=256, local_batch_size=8, max_norm=1.0),
-        optimizer=Optimizer(lr=2e-3, weight_decay=0.1),
-        lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
-    )
+    return debug_pretrain(Model(name="deepseek_v3", flavor="debug"))
 
 
 def deepseek_v3_debug_mtp() -> Config:
@@ -38,19 +33,8 @@ def deepseek_v3_16b() -> Config:
 
     Its ~16B parameters (32 GB in bf16, plus fp32 masters and AdamW state) need FSDP and
     expert parallelism to fit, e.g. `NGPU=8 ./run_train.sh --parallelism.ep 8` on one node."""
-    return Config(
-        job=Job(dump_folder="./outputs/deepseek_v3_16b"),
-        model=Model(name="deepseek_v3", flavor="16b"),
-        training=Training(
-            steps=1000,
-            seq_len=4096,
-            local_batch_size=1,
-            global_batch_size=128,
-            dtype="bfloat16",
-            max_norm=1.0,
-        ),
-        optimizer=Optimizer(lr=1e-5, weight_decay=0.1),
-        lr_scheduler=LRScheduler(warmup_steps=50, decay="cosine", min_lr_ratio=0.1),
+    return gpu_pretrain(
+        "deepseek_v3_16b", Model(name="deepseek_v3", flavor="16b"), global_batch_size=128
     )
 
 

@@ -9,30 +9,15 @@ the default ``off`` (the indexer as released; ``--model.hf_path`` names the fold
 
 from __future__ import annotations
 
-from temper.config import (
-    ActivationCheckpoint,
-    Config,
-    Data,
-    Job,
-    LRScheduler,
-    Model,
-    Optimizer,
-    Parallelism,
-    Training,
-)
+from temper.config import ActivationCheckpoint, Config, Model
+from temper.recipes.shapes import debug_pretrain, gpu_sft
 
 
 def deepseek_v32_debug() -> Config:
     """A ~7.9M-parameter DeepSeek V3.2 (DeepSeek V3's debug model plus a 4-head indexer
     keeping 64 keys per query) on the built-in synthetic tasks, the indexer trained by its
     KL term; trains on a CPU."""
-    return Config(
-        job=Job(dump_folder="./outputs/deepseek_v32_debug"),
-        model=Model(name="deepseek_v32", flavor="debug", indexer_training="sparse"),
-        training=Training(steps=60, seq_len=256, local_batch_size=8, max_norm=1.0),
-        optimizer=Optimizer(lr=2e-3, weight_decay=0.1),
-        lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
-    )
+    return debug_pretrain(Model(name="deepseek_v32", flavor="debug", indexer_training="sparse"))
 
 
 def glm_moe_dsa_debug() -> Config:
@@ -52,22 +37,12 @@ def deepseek_v32_671b_sft() -> Config:
     The dry run (`temper.plan`, this layout) puts each rank's peak at about 56 GiB (39 GiB of
     weights, gradients and AdamW state); the reference attention's dense masks make 8192-token
     rows cost 62 GiB."""
-    return Config(
-        job=Job(dump_folder="./outputs/deepseek_v32_671b_sft"),
-        model=Model(name="deepseek_v32", flavor="671b"),
-        parallelism=Parallelism(ep=64),
-        activation_checkpoint=ActivationCheckpoint(mode="full"),
-        training=Training(
-            steps=1000,
-            seq_len=4096,
-            local_batch_size=1,
-            global_batch_size=256,
-            dtype="bfloat16",
-            max_norm=1.0,
-        ),
-        optimizer=Optimizer(lr=1e-5, weight_decay=0.0),
-        lr_scheduler=LRScheduler(warmup_steps=30, decay="cosine", min_lr_ratio=0.1),
-        data=Data(format="sft"),
+    return gpu_sft(
+        "deepseek_v32_671b_sft",
+        Model(name="deepseek_v32", flavor="671b"),
+        ep=64,
+        global_batch_size=256,
+        checkpoint=ActivationCheckpoint(mode="full"),
     )
 
 

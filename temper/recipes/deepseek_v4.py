@@ -7,30 +7,15 @@ cache; context parallelism is not built yet (docs/models.md).
 
 from __future__ import annotations
 
-from temper.config import (
-    ActivationCheckpoint,
-    Config,
-    Data,
-    Job,
-    LRScheduler,
-    Model,
-    Optimizer,
-    Parallelism,
-    Training,
-)
+from temper.config import ActivationCheckpoint, Config, Model
+from temper.recipes.shapes import debug_pretrain, gpu_sft
 
 
 def deepseek_v4_debug() -> Config:
     """The debug model (one sliding, two CSA and one HCA layer, a hash-routed then top-k MoE
     layers, 4 residual streams) on the built-in synthetic tasks; trains on a CPU. At 256
     tokens, CSA keeps 8 of up to 64 compressed entries per query and HCA reads up to 16."""
-    return Config(
-        job=Job(dump_folder="./outputs/deepseek_v4_debug"),
-        model=Model(name="deepseek_v4", flavor="debug"),
-        training=Training(steps=60, seq_len=256, local_batch_size=8, max_norm=1.0),
-        optimizer=Optimizer(lr=2e-3, weight_decay=0.1),
-        lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
-    )
+    return debug_pretrain(Model(name="deepseek_v4", flavor="debug"))
 
 
 def deepseek_v4_debug_mtp() -> Config:
@@ -50,20 +35,10 @@ def deepseek_v4_flash_sft() -> Config:
 
     The dry run (this layout) puts each rank's peak at about 50 GiB (33 GiB of weights,
     gradients and AdamW state, 14 GiB of activations); not run on GPUs yet."""
-    return Config(
-        job=Job(dump_folder="./outputs/deepseek_v4_flash_sft"),
-        model=Model(name="deepseek_v4", flavor="flash"),
-        parallelism=Parallelism(ep=64),
-        activation_checkpoint=ActivationCheckpoint(mode="full"),
-        training=Training(
-            steps=1000,
-            seq_len=4096,
-            local_batch_size=1,
-            global_batch_size=128,
-            dtype="bfloat16",
-            max_norm=1.0,
-        ),
-        optimizer=Optimizer(lr=1e-5, weight_decay=0.0),
-        lr_scheduler=LRScheduler(warmup_steps=30, decay="cosine", min_lr_ratio=0.1),
-        data=Data(format="sft"),
+    return gpu_sft(
+        "deepseek_v4_flash_sft",
+        Model(name="deepseek_v4", flavor="flash"),
+        ep=64,
+        global_batch_size=128,
+        checkpoint=ActivationCheckpoint(mode="full"),
     )

@@ -7,19 +7,14 @@ then sets the architecture.
 
 from __future__ import annotations
 
-from temper.config import Config, Data, Job, LRScheduler, Model, Optimizer, Parallelism, Training
+from temper.config import ActivationCheckpoint, Config, Model
+from temper.recipes.shapes import debug_pretrain, gpu_sft
 
 
 def gpt_oss_debug() -> Config:
     """An 8M-parameter gpt-oss (4 layers alternating a 16-token window and full attention,
     sinks, 8 biased experts, top 2) on the built-in synthetic tasks; trains on a CPU."""
-    return Config(
-        job=Job(dump_folder="./outputs/gpt_oss_debug"),
-        model=Model(name="gpt_oss", flavor="debug"),
-        training=Training(steps=60, seq_len=256, local_batch_size=8, max_norm=1.0),
-        optimizer=Optimizer(lr=2e-3, weight_decay=0.1),
-        lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
-    )
+    return debug_pretrain(Model(name="gpt_oss", flavor="debug"))
 
 
 def gpt_oss_20b_sft() -> Config:
@@ -30,19 +25,10 @@ def gpt_oss_20b_sft() -> Config:
     CONFIG=gpt_oss_20b_sft ./run_train.sh --model.hf_path /models/gpt-oss-20b
     --data.path chats.jsonl`. The ~21B parameters (42 GB in bf16) plus fp32 masters and AdamW
     state need the 8 GPUs' memory together."""
-    return Config(
-        job=Job(dump_folder="./outputs/gpt_oss_20b_sft"),
-        model=Model(name="gpt_oss", flavor="20b"),
-        parallelism=Parallelism(ep=8),
-        training=Training(
-            steps=1000,
-            seq_len=4096,
-            local_batch_size=1,
-            global_batch_size=64,
-            dtype="bfloat16",
-            max_norm=1.0,
-        ),
-        optimizer=Optimizer(lr=1e-5, weight_decay=0.0),
-        lr_scheduler=LRScheduler(warmup_steps=30, decay="cosine", min_lr_ratio=0.1),
-        data=Data(format="sft"),
+    return gpu_sft(
+        "gpt_oss_20b_sft",
+        Model(name="gpt_oss", flavor="20b"),
+        ep=8,
+        global_batch_size=64,
+        checkpoint=ActivationCheckpoint(),
     )

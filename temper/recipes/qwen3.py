@@ -6,18 +6,13 @@ The real sizes start from random weights unless `--model.hf_path` names a local 
 
 from __future__ import annotations
 
-from temper.config import Config, Job, LRScheduler, Model, Optimizer, Training
+from temper.config import Config, Model
+from temper.recipes.shapes import debug_pretrain, gpu_pretrain
 
 
 def qwen3_debug() -> Config:
     """A ~4.5M-parameter Qwen3 on the built-in synthetic tasks; trains on a CPU in a minute."""
-    return Config(
-        job=Job(dump_folder="./outputs/qwen3_debug"),
-        model=Model(name="qwen3", flavor="debug"),
-        training=Training(steps=60, seq_len=256, local_batch_size=8, max_norm=1.0),
-        optimizer=Optimizer(lr=2e-3, weight_decay=0.1),
-        lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
-    )
+    return debug_pretrain(Model(name="qwen3", flavor="debug"))
 
 
 def qwen3_moe_debug() -> Config:
@@ -31,20 +26,7 @@ def qwen3_moe_debug() -> Config:
 def qwen3_8b() -> Config:
     """Qwen3-8B in bf16 at 4096 tokens, 128 sequences (0.5M tokens) per optimizer step on GPUs;
     FSDP shards over every rank, with accumulation making up the global batch."""
-    return Config(
-        job=Job(dump_folder="./outputs/qwen3_8b"),
-        model=Model(name="qwen3", flavor="8b"),
-        training=Training(
-            steps=1000,
-            seq_len=4096,
-            local_batch_size=1,
-            global_batch_size=128,
-            dtype="bfloat16",
-            max_norm=1.0,
-        ),
-        optimizer=Optimizer(lr=1e-5, weight_decay=0.1),
-        lr_scheduler=LRScheduler(warmup_steps=50, decay="cosine", min_lr_ratio=0.1),
-    )
+    return gpu_pretrain("qwen3_8b", Model(name="qwen3", flavor="8b"), global_batch_size=128)
 
 
 def qwen3_30b_a3b() -> Config:

@@ -7,18 +7,9 @@ architecture.
 
 from __future__ import annotations
 
-from temper.config import (
-    ActivationCheckpoint,
-    Config,
-    Data,
-    Job,
-    LRScheduler,
-    Model,
-    Optimizer,
-    Parallelism,
-    Training,
-)
+from temper.config import ActivationCheckpoint, Config, Model
 from temper.recipes.qwen3 import qwen3_debug
+from temper.recipes.shapes import gpu_sft
 
 
 def qwen3_5_debug() -> Config:
@@ -52,20 +43,10 @@ def qwen3_5_35b_a3b_sft() -> Config:
     with its block), FSDP over all ranks, full activation checkpointing, 4096-token packed
     chat rows, 64 sequences per step. Point `--model.hf_path` at the language model's HF folder
     and `--data.path` at a chat JSONL file."""
-    return Config(
-        job=Job(dump_folder="./outputs/qwen3_5_35b_a3b_sft"),
-        model=Model(name="qwen3_5_moe", flavor="35b_a3b"),
-        parallelism=Parallelism(ep=8),
-        activation_checkpoint=ActivationCheckpoint(mode="full"),
-        training=Training(
-            steps=1000,
-            seq_len=4096,
-            local_batch_size=1,
-            global_batch_size=64,
-            dtype="bfloat16",
-            max_norm=1.0,
-        ),
-        optimizer=Optimizer(lr=1e-5, weight_decay=0.0),
-        lr_scheduler=LRScheduler(warmup_steps=30, decay="cosine", min_lr_ratio=0.1),
-        data=Data(format="sft"),
+    return gpu_sft(
+        "qwen3_5_35b_a3b_sft",
+        Model(name="qwen3_5_moe", flavor="35b_a3b"),
+        ep=8,
+        global_batch_size=64,
+        checkpoint=ActivationCheckpoint(mode="full"),
     )
