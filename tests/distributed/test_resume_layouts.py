@@ -4,84 +4,16 @@ at the same next data row (no sample seen twice or skipped)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness import run_on_ranks
+from resuming import SAVED_AT, STEPS, results, resume_config, run
 
-from temper.config import Config
 from temper.recipes.llama3 import llama3_debug
 from temper.recipes.qwen3 import qwen3_moe_debug
-
-STEPS, SAVED_AT, GLOBAL_BATCH = 8, 4, 4
-
-
-def config_for(recipe: Callable[[], Config], folder: Path, world: int, ep: int = 1) -> Config:
-    config = recipe()
-    config.job.dump_folder = str(folder)
-    config.training.steps = STEPS
-    config.training.seq_len = 32
-    config.training.local_batch_size = GLOBAL_BATCH // world
-    config.training.global_batch_size = GLOBAL_BATCH
-    config.training.deterministic = True
-    config.metrics.tensorboard = False
-    config.parallelism.ep = ep
-    config.checkpoint.enable = True
-    config.checkpoint.interval = SAVED_AT
-    return config
-
-
-class SimulatedCrash(RuntimeError):
-    pass
-
-
-def _train_rank(config: Config, crash_after: int | None) -> dict | None:
-    """Train, crashing once step `crash_after` is done (after any pending asynchronous save
-    has landed: the crash tests the save, not a race with it); rank 0's results."""
-    from temper.trainer import Trainer
-
-    trainer = Trainer(config)
-    if crash_after is not None:
-        step = trainer.train_step
-
-        def crashing_step(micro_batches):
-            if trainer.state.step == crash_after:
-                trainer.engine.checkpointer.wait()
-                raise SimulatedCrash(f"killed after step {crash_after}")
-            return step(micro_batches)
-
-        trainer.train_step = crashing_step
-    resumed_from = trainer.state.step
-    with contextlib.suppress(SimulatedCrash):
-        trainer.train()
-    # Every lane's position, gathered from all ranks: the next rows at any layout.
-    data = trainer.state.state_dict()["dataloader"]
-    if not trainer.engine.runtime.is_main:
-        return None
-    return {
-        **results(config),
-        "resumed_from": resumed_from,
-        "ep": trainer.engine.dims.ep,
-        "data": data,
-    }
-
-
-def results(config: Config) -> dict:
-    folder = Path(config.job.dump_folder)
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return {"losses": [row["loss"] for row in rows], "steps": [row["step"] for row in rows]}
-
-
-def run(config: Config, world: int, crash_after: int | None = None) -> dict:
-    if world == 1:
-        return _train_rank(config, crash_after)
-    return run_on_ranks(_train_rank, world, config, crash_after)[0]
 
 
 @pytest.mark.parametrize(
@@ -92,12 +24,12 @@ def run(config: Config, world: int, crash_after: int | None = None) -> dict:
 def test_moe_resumes_at_another_ep_degree(tmp_path: Path, world: int, ep: int) -> None:
     """Qwen3-MoE saved under EP 2 resumes in one process and under EP 2 x expert FSDP 2:
     DCP reshards the experts as it does FSDP shards."""
-    straight = run(config_for(qwen3_moe_debug, tmp_path / "straight", 1), 1)
-    config = config_for(qwen3_moe_debug, tmp_path / "run", 2, ep=2)
+    straight = run(resume_config(qwen3_moe_debug, tmp_path / "straight", 1), 1)
+    config = resume_config(qwen3_moe_debug, tmp_path / "run", 2, ep=2)
     crashed = run(config, 2, crash_after=SAVED_AT)
     assert crashed["ep"] == 2 and crashed["steps"] == list(range(1, SAVED_AT + 1))
     assert_streamed_export_is_exact(tmp_path / "run" / "checkpoints" / f"step-{SAVED_AT}")
-    resumed = run(config_for(qwen3_moe_debug, tmp_path / "run", world, ep=ep), world)
+    resumed = run(resume_config(qwen3_moe_debug, tmp_path / "run", world, ep=ep), world)
     assert resumed["resumed_from"] == SAVED_AT and resumed["ep"] == ep
     assert resumed["steps"] == list(range(1, STEPS + 1))
     assert resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5)
@@ -127,8 +59,8 @@ def assert_streamed_export_is_exact(folder: Path) -> None:
 def test_resume_after_an_async_save_is_bitwise(tmp_path: Path) -> None:
     """Saved asynchronously at step 4 while steps 5 and 6 trained on: the staged copy is
     step 4's state, and the resumed run equals the uninterrupted (synchronous) one."""
-    straight = run(config_for(llama3_debug, tmp_path / "straight", 2), 2)
-    config = config_for(llama3_debug, tmp_path / "run", 2)
+    straight = run(resume_config(llama3_debug, tmp_path / "straight", 2), 2)
+    config = resume_config(llama3_debug, tmp_path / "run", 2)
     config.checkpoint.async_mode = True
     run(config, 2, crash_after=SAVED_AT + 2)
     resumed = run(config, 2)
