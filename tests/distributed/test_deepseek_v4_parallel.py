@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_on_ranks
+from padded_slices import padded_slices_rank
 from training import Layout, assert_same_metrics, parity_config
 from training import train as train_layout
 
@@ -69,42 +70,9 @@ def test_padded_slices_give_one_process_gradients(packed: bool, mtp_depth: int) 
 def _padded_batch_rank(
     packed: bool, mtp_depth: int
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    import torch.distributed as dist
-
-    from temper.models import build_model, materialize
-    from temper.objectives import CausalLM
-    from temper.parallel.ulysses import SequenceParallel
-    from temper.utils.device import init_runtime
-
-    init_runtime()
-    torch.manual_seed(0)
-    overrides = {"mtp_depth": mtp_depth}
-    reference = materialize(build_model("deepseek_v4", "debug", overrides=overrides), "cpu")
-    model = build_model("deepseek_v4", "debug", overrides=overrides)
-    sp = SequenceParallel(dist.group.WORLD)
-    sp.apply(model)
-    model = materialize(model, "cpu")
-    model.load_state_dict(reference.state_dict())
-
-    ids = torch.randint(1, 1000, (2, 79), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
-    if packed:
-        batch["position_ids"] = torch.cat([torch.arange(70), torch.arange(9)]).expand(2, 79)
-    shard = sp.shard(batch)
-
-    def run(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        loss, _, _ = CausalLM().loss(model, batch)
-        loss.backward()
-        grads = {}
-        for name, p in model.named_parameters():
-            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-            if model is not reference:
-                dist.all_reduce(grad)
-            grads[name] = grad
-        return {"loss": loss.detach(), "aux": model.aux_loss().detach(), "grads": grads}
-
-    got = run(model, shard)
-    dist.all_reduce(got["loss"])
-    want = run(reference, batch)
-    dist.barrier()
-    return (got, want) if dist.get_rank() == 0 else None
+    return padded_slices_rank(
+        "deepseek_v4",
+        {"mtp_depth": mtp_depth},
+        packed,
+        lambda model, metrics: {"aux": model.aux_loss().detach()},
+    )
