@@ -14,7 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_on_ranks
-from training import SINGLE, STEPS, Layout, assert_same_metrics, parity_config
+from training import (
+    SINGLE,
+    STEPS,
+    Layout,
+    assert_same_logits_loss_and_grads,
+    assert_same_metrics,
+    parity_config,
+)
 from training import train as train_layout
 
 from temper.data.batch import DOCUMENT_POSITIONS, SEQUENCE_SHARD
@@ -67,14 +74,7 @@ def test_families_at_cp2_sp2_give_one_process_logits_loss_and_gradients() -> Non
     (summed over the ranks, as FSDP's reduce-scatter does) equal one process's on the
     unpadded rows within 1e-5."""
     for family, (got, want) in zip(FAMILIES, run_on_ranks(_family_rank, 4)[0], strict=True):
-        torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), family
-        assert got["grads"].keys() == want["grads"].keys()
-        for name, grad in got["grads"].items():
-            scale = want["grads"][name].abs().max().item()
-            torch.testing.assert_close(
-                grad, want["grads"][name], rtol=1e-5, atol=1e-5 * scale, msg=f"{family} {name}"
-            )
+        assert_same_logits_loss_and_grads(family, got, want)
 
 
 def _family_rank() -> list[tuple[dict[str, object], dict[str, object]]] | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from harness import run_on_ranks
 
 from temper.config import Config
@@ -74,6 +75,21 @@ def assert_same_metrics(
     for row, ref in zip(rows, reference, strict=True):
         assert row["loss"] == pytest.approx(ref["loss"], rel=rel), f"step {row['step']}"
         assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rel), f"step {row['step']}"
+
+
+def assert_same_logits_loss_and_grads(
+    family: str, got: dict[str, Any], want: dict[str, Any]
+) -> None:
+    """A layout's real tokens' logits, loss and every gradient (summed over the ranks) equal
+    one process's within 1e-5, each gradient's tolerance scaled by its largest entry."""
+    torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), family
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in got["grads"].items():
+        scale = want["grads"][name].abs().max().item()
+        torch.testing.assert_close(
+            grad, want["grads"][name], rtol=1e-5, atol=1e-5 * scale, msg=f"{family} {name}"
+        )
 
 
 def _train_rank(config: Config) -> Run | None:
