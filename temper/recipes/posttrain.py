@@ -37,6 +37,7 @@ from temper.generation.evaluate import greedy_answers
 from temper.objectives.dpo import DPOConfig, sequence_log_probs
 from temper.objectives.grpo import GRPOConfig
 from temper.objectives.rewards import exact_match
+from temper.recipes.shapes import debug_sft
 
 if TYPE_CHECKING:
     from temper.trainer.trainer import Trainer
@@ -46,14 +47,7 @@ EVAL_EXAMPLES = 256
 
 def sft_debug() -> Config:
     """Chat SFT of a random-init debug Llama on the built-in copy/sort tasks (CPU, minutes)."""
-    return Config(
-        job=Job(dump_folder="./outputs/sft_debug"),
-        model=Model(name="llama3", flavor="debug"),
-        training=Training(steps=60, seq_len=64, local_batch_size=8),
-        optimizer=Optimizer(lr=2e-3, weight_decay=0.0),
-        lr_scheduler=LRScheduler(warmup_steps=10, decay="cosine", min_lr_ratio=0.1),
-        data=Data(format="sft"),
-    )
+    return debug_sft("sft_debug", Model(name="llama3", flavor="debug"), Data(format="sft"))
 
 
 def dpo_debug() -> Config:

@@ -27,6 +27,19 @@ def debug_pretrain(model: Model) -> Config:
     )
 
 
+def debug_sft(dump: str, model: Model, data: Data) -> Config:
+    """Chat SFT of a random-init debug model on built-in tasks: 60 steps of 8 x 64 tokens at
+    lr 2e-3 without weight decay (a CPU, minutes); written to ``./outputs/<dump>``."""
+    return Config(
+        job=Job(dump_folder=f"./outputs/{dump}"),
+        model=model,
+        training=Training(steps=60, seq_len=64, local_batch_size=8),
+        optimizer=Optimizer(lr=2e-3, weight_decay=0.0),
+        lr_scheduler=LRScheduler(warmup_steps=10, decay="cosine", min_lr_ratio=0.1),
+        data=data,
+    )
+
+
 def _gpu_training(global_batch_size: int) -> Training:
     """1000 bf16 steps of 4096-token rows, one per rank per micro-batch."""
     return Training(

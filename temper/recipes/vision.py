@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from temper.config import Config, Data, Job, LRScheduler, Model, Optimizer, Training
+from temper.config import Config, Data, Model
 from temper.data.multimodal import (
     BUILTIN_VL_TEMPLATE,
     builtin_image_processor,
@@ -29,6 +29,7 @@ from temper.data.sft import pad_id
 from temper.data.shapes import shape_conversation, shape_example
 from temper.data.vision_tokens import vision_token_ids
 from temper.kernels.cross_entropy import log_probs_from_logits
+from temper.recipes.shapes import debug_sft
 
 if TYPE_CHECKING:
     from temper.trainer.trainer import Trainer
@@ -38,13 +39,10 @@ EVAL_EXAMPLES = 64
 
 def qwen3_5_vl_debug() -> Config:
     """Image SFT of a random-init debug Qwen3.5 VLM on the built-in shapes task (CPU, minutes)."""
-    return Config(
-        job=Job(dump_folder="./outputs/qwen3_5_vl_debug"),
-        model=Model(name="qwen3_5_vl", flavor="debug"),
-        training=Training(steps=60, seq_len=64, local_batch_size=8),
-        optimizer=Optimizer(lr=2e-3, weight_decay=0.0),
-        lr_scheduler=LRScheduler(warmup_steps=10, decay="cosine", min_lr_ratio=0.1),
-        data=Data(format="sft", builtin_images=True),
+    return debug_sft(
+        "qwen3_5_vl_debug",
+        Model(name="qwen3_5_vl", flavor="debug"),
+        Data(format="sft", builtin_images=True),
     )
 
 

@@ -16,6 +16,7 @@ from temper.config import (
 )
 from temper.recipes.deepseek_v32 import deepseek_v32_debug
 from temper.recipes.gpt_oss import gpt_oss_20b_sft
+from temper.recipes.posttrain import sft_debug
 from temper.recipes.qwen3 import qwen3_8b
 from temper.recipes.qwen3_5 import qwen3_5_35b_a3b_sft
 
@@ -38,6 +39,14 @@ def test_recipes_keep_their_configs() -> None:
         training=Training(steps=60, seq_len=256, local_batch_size=8, max_norm=1.0),
         optimizer=Optimizer(lr=2e-3, weight_decay=0.1),
         lr_scheduler=LRScheduler(warmup_steps=5, decay="cosine", min_lr_ratio=0.1),
+    )
+    assert sft_debug() == Config(
+        job=Job(dump_folder="./outputs/sft_debug"),
+        model=Model(name="llama3", flavor="debug"),
+        training=Training(steps=60, seq_len=64, local_batch_size=8),
+        optimizer=Optimizer(lr=2e-3, weight_decay=0.0),
+        lr_scheduler=LRScheduler(warmup_steps=10, decay="cosine", min_lr_ratio=0.1),
+        data=Data(format="sft"),
     )
     assert qwen3_8b() == Config(
         job=Job(dump_folder="./outputs/qwen3_8b"),
