@@ -23,6 +23,7 @@ from training import (
     Layout,
     assert_same_logits_loss_and_grads,
     assert_same_metrics,
+    families_against_one_process,
     parity_config,
 )
 from training import train as train_layout
@@ -366,50 +367,15 @@ def test_families_at_cp2_give_one_process_logits_loss_and_gradients() -> None:
 def _family_rank() -> list[tuple[dict[str, object], dict[str, object]]] | None:
     import torch.distributed as dist
 
-    from temper.data.batch import SEQUENCE_SHARD
-    from temper.models import build_model, materialize
-    from temper.objectives import CausalLM
-    from temper.objectives.causal_lm import documents
     from temper.parallel.context_parallel import ContextParallel, gather_sequence
-    from temper.parallel.ulysses import whole_sequences
     from temper.utils.device import init_runtime
 
     init_runtime()
     group = dist.group.WORLD
     cp = ContextParallel(group)
-    ids = torch.randint(1, 1000, (2, 21), generator=torch.Generator().manual_seed(1))
-    positions = torch.cat([torch.arange(n) for n in (5, 9, 7)]).expand(2, 21)
-    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1), "position_ids": positions}
-    shard = cp.shard(batch)
-
-    def run(model: torch.nn.Module, rows: dict[str, object], split: bool) -> dict[str, object]:
-        """Loss, gradients and logits; ``split``: the rows are this rank's CP part."""
-        model.zero_grad(set_to_none=True)
-        loss, _, _ = CausalLM().loss(model, rows)
-        loss.backward()
-        with torch.no_grad():
-            args = (rows["input_ids"], rows["position_ids"], documents(rows))
-            logits = model(*args, shard=rows.get(SEQUENCE_SHARD))
-        grads = {}
-        for name, p in model.named_parameters():
-            grads[name] = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-            if split:
-                dist.all_reduce(grads[name])
-        if split:
-            dist.all_reduce(loss)
-            logits = gather_sequence(logits, group)[:, :21]
-        return {"logits": logits, "loss": loss.item(), "grads": grads}
-
-    results = []
-    for family in FAMILIES:
-        torch.manual_seed(0)
-        model = build_model(family, "debug")
-        cp.apply(model)
-        model = materialize(model, "cpu")
-        with whole_sequences(model):  # the same weights on one rank's whole rows
-            want = run(model, batch, split=False)
-        results.append((run(model, shard, split=True), want))
-    return results if dist.get_rank() == 0 else None
+    return families_against_one_process(
+        cp, FAMILIES, (5, 9, 7), lambda x: gather_sequence(x, group)
+    )
 
 
 CP2 = Layout("cp2", world=2, local_batch=4, parallelism={"cp": 2})

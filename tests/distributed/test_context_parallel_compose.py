@@ -20,6 +20,7 @@ from training import (
     Layout,
     assert_same_logits_loss_and_grads,
     assert_same_metrics,
+    families_against_one_process,
     parity_config,
 )
 from training import train as train_layout
@@ -79,12 +80,8 @@ def test_families_at_cp2_sp2_give_one_process_logits_loss_and_gradients() -> Non
 
 def _family_rank() -> list[tuple[dict[str, object], dict[str, object]]] | None:
     from temper.config import Parallelism
-    from temper.models import build_model, materialize
-    from temper.objectives import CausalLM
-    from temper.objectives.causal_lm import documents
     from temper.parallel.context_parallel import ContextParallel
     from temper.parallel.dims import ParallelDims
-    from temper.parallel.ulysses import whole_sequences
     from temper.utils.device import init_runtime
 
     init_runtime()
@@ -92,40 +89,9 @@ def _family_rank() -> list[tuple[dict[str, object], dict[str, object]]] | None:
     world = dims.build_meshes("cpu").world
     rows_group = world["cp_sp"].get_group()
     layout = ContextParallel(world["cp"].get_group(), world["sp"].get_group(), rows_group)
-    s = sum(DOCUMENTS)
-    ids = torch.randint(1, 1000, (2, s), generator=torch.Generator().manual_seed(1))
-    positions = torch.cat([torch.arange(n) for n in DOCUMENTS]).expand(2, s)
-    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1), "position_ids": positions}
-    shard = layout.shard(batch)
-
-    def run(model: torch.nn.Module, rows: dict[str, object], split: bool) -> dict[str, object]:
-        """Loss, gradients and logits; ``split``: the rows are this rank's CP x SP part."""
-        model.zero_grad(set_to_none=True)
-        loss, _, _ = CausalLM().loss(model, rows)
-        loss.backward()
-        with torch.no_grad():
-            args = (rows["input_ids"], rows["position_ids"], documents(rows))
-            logits = model(*args, shard=rows.get(SEQUENCE_SHARD))
-        grads = {}
-        for name, p in model.named_parameters():
-            grads[name] = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-            if split:
-                dist.all_reduce(grads[name])
-        if split:
-            dist.all_reduce(loss)
-            logits = _gather_2d(logits, rows_group, layout.sp_size)[:, :s]
-        return {"logits": logits, "loss": loss.item(), "grads": grads}
-
-    results = []
-    for family in FAMILIES:
-        torch.manual_seed(0)
-        model = build_model(family, "debug")
-        layout.apply(model)
-        model = materialize(model, "cpu")
-        with whole_sequences(model):  # the same weights on one rank's whole rows
-            want = run(model, batch, split=False)
-        results.append((run(model, shard, split=True), want))
-    return results if dist.get_rank() == 0 else None
+    return families_against_one_process(
+        layout, FAMILIES, DOCUMENTS, lambda x: _gather_2d(x, rows_group, layout.sp_size)
+    )
 
 
 def _gather_2d(x: torch.Tensor, rows_group: dist.ProcessGroup, sp: int) -> torch.Tensor:

@@ -92,6 +92,60 @@ def assert_same_logits_loss_and_grads(
         )
 
 
+def families_against_one_process(
+    parallel: Any,
+    families: tuple[str, ...],
+    documents: tuple[int, ...],
+    gather: Callable[[torch.Tensor], torch.Tensor],
+) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
+    """On rank 0, per family: the logits, loss and rank-summed gradients of its debug model
+    wired by ``parallel`` (a context-parallel layout: ``apply``, ``shard``) on two packed rows
+    of ``documents`` (``gather``: this rank's logits -> the whole rows'), and the same
+    weights' on the whole rows in one process."""
+    import torch.distributed as dist
+
+    from temper.data.batch import SEQUENCE_SHARD
+    from temper.models import build_model, materialize
+    from temper.objectives import CausalLM
+    from temper.objectives.causal_lm import documents as document_mask
+    from temper.parallel.ulysses import whole_sequences
+
+    s = sum(documents)
+    ids = torch.randint(1, 1000, (2, s), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in documents]).expand(2, s)
+    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1), "position_ids": positions}
+    shard = parallel.shard(batch)
+
+    def run(model: torch.nn.Module, rows: dict[str, Any], split: bool) -> dict[str, Any]:
+        """Loss, gradients and logits; ``split``: the rows are this rank's part."""
+        model.zero_grad(set_to_none=True)
+        loss, _, _ = CausalLM().loss(model, rows)
+        loss.backward()
+        with torch.no_grad():
+            args = (rows["input_ids"], rows["position_ids"], document_mask(rows))
+            logits = model(*args, shard=rows.get(SEQUENCE_SHARD))
+        grads = {}
+        for name, p in model.named_parameters():
+            grads[name] = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+            if split:
+                dist.all_reduce(grads[name])
+        if split:
+            dist.all_reduce(loss)
+            logits = gather(logits)[:, :s]
+        return {"logits": logits, "loss": loss.item(), "grads": grads}
+
+    results = []
+    for family in families:
+        torch.manual_seed(0)
+        model = build_model(family, "debug")
+        parallel.apply(model)
+        model = materialize(model, "cpu")
+        with whole_sequences(model):  # the same weights on one rank's whole rows
+            want = run(model, batch, split=False)
+        results.append((run(model, shard, split=True), want))
+    return results if dist.get_rank() == 0 else None
+
+
 def _train_rank(config: Config) -> Run | None:
     from torch._dynamo.utils import counters
     from torch.distributed.fsdp import FSDPModule
