@@ -5,23 +5,25 @@ its gradients on 79 tokens (padded to 80 over 2 ranks)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from temper.parallel.ulysses import SequenceParallel
 
 Extras = Callable[[torch.nn.Module, dict[str, Any]], dict[str, Any]]
 """(model, the loss's metrics) -> more values to compare, read after the backward."""
 
 
-def padded_slices_rank(
-    family: str, overrides: dict[str, Any], packed: bool, extras: Extras
-) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """On rank 0: (the slices' loss summed over ranks, with every gradient summed over ranks;
-    one process's on the whole rows), each with ``extras``. ``packed``: documents of 70 and 9."""
+def sp_and_reference(
+    family: str, overrides: dict[str, Any] | None = None
+) -> tuple[torch.nn.Module, torch.nn.Module, SequenceParallel]:
+    """In a rank (the runtime started here): the debug model whole (seed 0) and the same
+    weights under Ulysses sequence parallelism over the world, with its layout."""
     import torch.distributed as dist
 
     from temper.models import build_model, materialize
-    from temper.objectives import CausalLM
     from temper.parallel.ulysses import SequenceParallel
     from temper.utils.device import init_runtime
 
@@ -33,6 +35,19 @@ def padded_slices_rank(
     sp.apply(model)
     model = materialize(model, "cpu")
     model.load_state_dict(reference.state_dict())
+    return reference, model, sp
+
+
+def padded_slices_rank(
+    family: str, overrides: dict[str, Any], packed: bool, extras: Extras
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """On rank 0: (the slices' loss summed over ranks, with every gradient summed over ranks;
+    one process's on the whole rows), each with ``extras``. ``packed``: documents of 70 and 9."""
+    import torch.distributed as dist
+
+    from temper.objectives import CausalLM
+
+    reference, model, sp = sp_and_reference(family, overrides)
 
     ids = torch.randint(1, 1000, (2, 79), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}

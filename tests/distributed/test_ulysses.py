@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_on_ranks
+from padded_slices import sp_and_reference
 from training import SINGLE, STEPS, Layout, Run, assert_same_metrics, parity_config
 from training import train as train_layout
 
@@ -125,20 +126,10 @@ def test_padding_gets_no_gradient_and_changes_nothing() -> None:
 def _padded_batch_rank() -> tuple[dict[str, Any], dict[str, Any]] | None:
     import torch.distributed as dist
 
-    from temper.models import build_model, materialize
     from temper.objectives import CausalLM
     from temper.objectives.causal_lm import documents
-    from temper.parallel.ulysses import SequenceParallel
-    from temper.utils.device import init_runtime
 
-    init_runtime()
-    torch.manual_seed(0)
-    reference = materialize(build_model("qwen3_moe", "debug"), "cpu")
-    model = build_model("qwen3_moe", "debug")
-    sp = SequenceParallel(dist.group.WORLD)
-    sp.apply(model)
-    model = materialize(model, "cpu")
-    model.load_state_dict(reference.state_dict())
+    reference, model, sp = sp_and_reference("qwen3_moe")
 
     ids = torch.randint(1, 1000, (2, 15), generator=torch.Generator().manual_seed(1))
     labels = ids.roll(-1, dims=1)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_on_ranks
+from padded_slices import sp_and_reference
 from training import SINGLE, Layout, assert_same_metrics, parity_config
 from training import train as train_layout
 
@@ -47,19 +48,9 @@ def _sp_rank() -> tuple[dict[str, Any], dict[str, Any]] | None:
     from temper.config import Config, Data
     from temper.data.loader import build_loader
     from temper.data.tokenizer import load_tokenizer
-    from temper.models import build_model, materialize
     from temper.objectives import CausalLM
-    from temper.parallel.ulysses import SequenceParallel
-    from temper.utils.device import init_runtime
 
-    init_runtime()
-    torch.manual_seed(0)
-    reference = materialize(build_model("qwen3_5_vl", "debug"), "cpu")
-    model = build_model("qwen3_5_vl", "debug")
-    sp = SequenceParallel(dist.group.WORLD)
-    sp.apply(model)
-    model = materialize(model, "cpu")
-    model.load_state_dict(reference.state_dict())
+    reference, model, sp = sp_and_reference("qwen3_5_vl")
 
     config = Config(data=Data(format="sft", builtin_images=True, builtin_examples=8))
     config.training.seq_len, config.training.local_batch_size = 45, 2
