@@ -2,7 +2,8 @@
 
 With ``kernels.fused_cross_entropy`` (``temper.kernels.dispatch``) the LM head and the loss run
 in chunks of tokens from the model's ``hidden_states`` and ``output.weight``, so the full
-[tokens, vocab] logits never exist; otherwise from full logits. Both give the same numbers.
+[tokens, vocab] logits never exist, and only over the positions that carry a label (prompts
+and padding are skipped); otherwise from full logits. Both give the same numbers.
 An objective built from a run's config takes that run's ``Kernels`` (and passes the chunk to
 the model's multi-token prediction); one built without them runs the references on full logits
 (``temper.kernels.dispatch.REFERENCE``).
@@ -93,11 +94,12 @@ class CausalLM:
         media = model_inputs(batch)  # a vision-language batch's images and positions
         kernels = self.kernels or REFERENCE
         if kernels.fused_cross_entropy and _weight_only_head(model):
+            head = _HeadRows.of(labels)
             hidden = model.hidden_states(*args, shard=shard, **media)
             loss_sum, z_sum = linear_cross_entropy(
-                hidden,
+                head.gather(hidden),
                 model.output.weight,
-                labels,
+                head.gather(labels),
                 z_weight,
                 kernels.chunk_tokens(hidden.device),
                 kernels.cross_entropy,
@@ -144,19 +146,63 @@ def label_log_probs(
     Chunked through the head (no full logits) when the fused cross-entropy is on, as in
     `CausalLM`; from full logits otherwise. ``shard``: the rows are a sequence-parallel
     slice. ``entropy``: an fp32 tensor shaped like ``labels`` filled with each position's
-    entropy at ``temperature`` from the same logits (no gradient): no forward of its own.
+    entropy at ``temperature`` from the same logits (no gradient): no forward of its own; with
+    the fused head only the labelled positions are filled (the others keep their values).
     ``kernels``: the run's choices (None: the references on full logits)."""
     kernels = kernels or REFERENCE
     if kernels.fused_cross_entropy and _weight_only_head(model):
+        head = _HeadRows.of(labels)
         hidden = model.hidden_states(input_ids, position_ids, document_mask, shard=shard)
-        hidden = hidden / temperature
+        rows = head.gather(hidden) / temperature
         chunk = kernels.chunk_tokens(hidden.device)
         weight, impl = model.output.weight, kernels.cross_entropy
-        return linear_log_probs(hidden, weight, labels, chunk, impl, entropy=entropy)[0]
+        rows_entropy = None if entropy is None else head.gather(entropy)
+        log_probs = linear_log_probs(
+            rows, weight, head.gather(labels), chunk, impl, entropy=rows_entropy
+        )[0]
+        if entropy is not None:
+            entropy.copy_(head.scatter(rows_entropy, entropy))
+        return head.scatter(log_probs, torch.zeros_like(labels, dtype=torch.float32))
     logits = model(input_ids, position_ids, document_mask, shard=shard) / temperature
     if entropy is not None:
         entropy.copy_(logits_entropy(logits.detach()))
     return log_probs_from_logits(logits, labels)[0]
+
+
+@dataclass(frozen=True)
+class _HeadRows:
+    """The flat positions whose label is not ignored: the only rows the fused LM head runs on.
+
+    Prompt tokens of chat SFT and GRPO and the padding of every row carry no label, so their
+    logits change neither the loss nor a label's log-probability; skipping them roughly halves
+    the head's matmuls on GRPO's rows. ``positions`` None: every position is labelled (plain
+    pretraining), and the rows pass through with no copy.
+    """
+
+    label_dims: int
+    """Dimensions of the labels ([b, s]: 2), which `gather` flattens."""
+    positions: torch.Tensor | None
+    """Flat indices into ``labels.reshape(-1)``, ascending."""
+
+    @classmethod
+    def of(cls, labels: torch.Tensor) -> _HeadRows:
+        """Taken before the model's forward, so that the host sync a data-dependent count
+        needs (on a GPU) waits for the work queued so far and never for this forward."""
+        positions = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+        return cls(labels.dim(), None if positions.numel() == labels.numel() else positions)
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """The labelled rows of ``values`` shaped [*labels.shape, ...] -> [rows, ...] (the
+        gradient flows back to those rows; the others get 0)."""
+        flat = values.flatten(0, self.label_dims - 1)
+        return flat if self.positions is None else flat.index_select(0, self.positions)
+
+    def scatter(self, rows: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """``into`` [*labels.shape] with the labelled positions replaced by ``rows`` (a new
+        tensor; the gradient flows to ``rows``)."""
+        if self.positions is None:
+            return rows.view(into.shape)
+        return into.reshape(-1).index_copy(0, self.positions, rows).view(into.shape)
 
 
 def _weight_only_head(model: nn.Module) -> bool:
