@@ -574,8 +574,9 @@ class Kernels:
     """Gated DeltaNet's chunked delta rule; triton runs flash-linear-attention's kernel when
     the ``fla`` package is installed (CUDA)."""
     sparse_attention: Impl = "auto"
-    """DeepSeek sparse attention's core (each query over its selected keys): the reference
-    masks dense scores (sdpa); triton reads only the selected keys."""
+    """DeepSeek sparse attention's core and DeepSeek V4's compressed attention (each query
+    over its selected keys): the reference masks dense scores (sdpa); triton reads only the
+    selected keys."""
 
     def __post_init__(self) -> None:
         if self.cross_entropy_chunk < 0:

@@ -40,6 +40,29 @@ def test_gather_equals_the_masked_reference() -> None:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_gather_with_sinks_and_a_shared_head_equals_the_masked_reference() -> None:
+    """DeepSeek V4's form: 4 query heads over one key-value head, a sink logit per head.
+    Outputs and the gradients of q, k, v and the sinks within 1e-5 (fp32); the sinks change
+    the output (so the comparison sees them)."""
+    q, k, v, selected = _sparse_inputs(torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 11, 4, 12, generator=gen).requires_grad_()
+    k, v = (t[:, :, :1].detach().requires_grad_() for t in (k, v))
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    cotangent = torch.randn(2, 11, 4, 8, generator=gen)
+    results = []
+    for run in (
+        lambda: sparse_attention_reference(q, k, v, selected, 0.3, sinks),
+        lambda: gather_attention(q, k, v, selected_indices(selected), 0.3, sinks),
+    ):
+        out = run()
+        results.append([out, *torch.autograd.grad(out, (q, k, v, sinks), cotangent)])
+    for got, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    without = gather_attention(q, k, v, selected_indices(selected), 0.3)
+    assert (without - results[1][0]).abs().max() > 1e-2
+
+
 def test_selection_becomes_key_lists() -> None:
     """Each query's marked positions, as many slots as the fullest row, -1 in the rest."""
     selected = torch.tensor(
@@ -59,10 +82,15 @@ def test_sparse_mla_runs_the_dispatched_core(monkeypatch: pytest.MonkeyPatch) ->
     seen: list[float] = []
 
     def spy(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, scale: float
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        selected: torch.Tensor,
+        scale: float,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         seen.append(scale)
-        return sparse_attention_reference(q, k, v, selected, scale)
+        return sparse_attention_reference(q, k, v, selected, scale, sinks)
 
     torch.manual_seed(0)
     layer = SparseMLA(

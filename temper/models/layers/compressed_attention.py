@@ -12,14 +12,17 @@ value's contribution a function of the distance to the query. A sliding layer at
 its ``window`` only; an HCA layer also to every completed compressed entry; a CSA layer to the
 ``topk`` entries its indexer picks. Each head has a learned sink logit.
 
-The reference runs on sdpa with an explicit mask, on whole rows (packed documents attend and
-compress apart). Under sequence parallelism each rank gathers every slice's inputs (with
-autograd: each slice's gradient goes back to its rank), builds the keys and compressed entries
-of the whole sequence from them, and attends with its own slice's queries, all heads: the
-sliding window, the shared KV head and the compressors' windows then span slices as they do
-in one process. Decoding, it keeps each layer's inputs in the KV cache and recomputes keys
-and compressed entries from them for the new queries: exact, at the cost of a forward over
-the whole history per step.
+The reference runs on sdpa with an explicit mask over [window keys ; entries], on whole rows
+(packed documents attend and compress apart). That mask is the selection of the sparse
+attention op (``kernels.sparse_attention``), whose Triton form reads only each query's window
+keys and visible or picked entries, serves the shared head to every query head by its offset
+and keeps the sinks in its softmax. Under sequence parallelism each rank gathers every slice's
+inputs (with autograd: each slice's gradient goes back to its rank), builds the keys and
+compressed entries of the whole sequence from them, and attends with its own slice's queries,
+all heads: the sliding window, the shared KV head and the compressors' windows then span
+slices as they do in one process. Decoding, it keeps each layer's inputs in the KV cache and
+recomputes keys and compressed entries from them for the new queries: exact, at the cost of a
+forward over the whole history per step.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from temper.kernels.attention import attention, causal_band
+from temper.kernels.attention import causal_band
+from temper.kernels.sparse_attention import sparse_attention
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows, rope_tail
 from temper.models.layers.context import ForwardContext
 from temper.models.layers.grouped_linear import GroupedLinear
@@ -138,6 +142,8 @@ class CompressedAttention(nn.Module):
                 seen = self.indexer(x, q_latent, cos, sin, windows, first, ctx.kernels)
             kv = torch.cat((kv, entries.unsqueeze(2)), dim=1)
             sees = torch.cat((sees, seen), dim=-1)
-        out = attention(q, kv, kv, mask=sees[:, None], scale=self.head_dim**-0.5, sinks=self.sinks)
+        scale = self.head_dim**-0.5
+        impl = ctx.kernels.sparse_attention
+        out = sparse_attention(q, kv, kv, sees, scale, impl, sinks=self.sinks)
         out = rope_tail(out, q_cos, -q_sin, rope)
         return self.wo_b(self.wo_a(out.reshape(b, n, self.o_groups, -1)).flatten(2))
