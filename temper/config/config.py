@@ -539,7 +539,14 @@ class QAT:
 
 Impl = Literal["auto", "reference", "compile", "triton"]
 Op = Literal[
-    "cross_entropy", "rmsnorm", "swiglu", "rope", "moe_permute", "gated_delta", "sparse_attention"
+    "cross_entropy",
+    "rmsnorm",
+    "swiglu",
+    "rope",
+    "moe_permute",
+    "gated_delta",
+    "sparse_attention",
+    "compressed_attention",
 ]
 
 
@@ -574,9 +581,14 @@ class Kernels:
     """Gated DeltaNet's chunked delta rule; triton runs flash-linear-attention's kernel when
     the ``fla`` package is installed (CUDA)."""
     sparse_attention: Impl = "auto"
-    """DeepSeek sparse attention's core and DeepSeek V4's compressed attention (each query
-    over its selected keys): the reference masks dense scores (sdpa); triton reads only the
-    selected keys."""
+    """DeepSeek sparse attention's core (each query over its selected keys): the reference
+    masks dense scores (sdpa); triton reads only the selected keys."""
+    compressed_attention: Impl = "reference"
+    """DeepSeek V4's attention over its window keys and compressed entries, on the
+    ``sparse_attention`` op's forms (triton: with its sinks and shared head). The reference
+    unless asked: the Triton form is checked under Triton's interpreter only, not yet on a
+    GPU, where one key head taking every head's gradient atomically may cost more than it
+    saves."""
 
     def __post_init__(self) -> None:
         if self.cross_entropy_chunk < 0:

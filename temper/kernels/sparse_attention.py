@@ -55,6 +55,23 @@ def sparse_attention(
     )
 
 
+def compressed_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    selected: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+    impl: Impl | None = None,
+) -> torch.Tensor:
+    """DeepSeek V4's attention: q [b, s, h, d] over the rows of its one shared head ``kv``
+    [b, t, 1, d] (keys and values alike) that ``selected`` [b, s, t] marks, with the sink
+    logits ``sinks`` [h]. ``sparse_attention``'s forms under their own choice
+    (``kernels.compressed_attention``), so V4 and DSA pick apart."""
+    return choose("compressed_attention", q.device, impl, sparse_attention_reference, _triton)(
+        q, kv, kv, selected, scale, sinks
+    )
+
+
 def selected_indices(selected: torch.Tensor) -> torch.Tensor:
     """int32 [b, s, n]: the positions each query's row of ``selected`` [b, s, t] marks, n the
     most any query marks, -1 in a row's empty slots. Reads n back to the host (one sync)."""

@@ -147,7 +147,7 @@ def test_deepseek_v4_attention_on_the_triton_kernel(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(dispatch, "implementation", lambda op, *_: picked.get(op, "reference"))
     results = []
     for impl in ("reference", "triton"):
-        picked["sparse_attention"] = impl
+        picked["compressed_attention"] = impl
         run = copy.deepcopy(model)
         logits = run(tokens.to(DEVICE), position_ids=positions.to(DEVICE))
         logits.float().square().mean().backward()

@@ -14,9 +14,10 @@ its ``window`` only; an HCA layer also to every completed compressed entry; a CS
 
 The reference runs on sdpa with an explicit mask over [window keys ; entries], on whole rows
 (packed documents attend and compress apart). That mask is the selection of the sparse
-attention op (``kernels.sparse_attention``), whose Triton form reads only each query's window
-keys and visible or picked entries, serves the shared head to every query head by its offset
-and keeps the sinks in its softmax. Under sequence parallelism each rank gathers every slice's
+attention kernel (``temper.kernels.sparse_attention.compressed_attention``, whose form
+``kernels.compressed_attention`` picks): its Triton form reads only each query's window keys
+and visible or picked entries, serves the shared head to every query head by its offset and
+keeps the sinks in its softmax. Under sequence parallelism each rank gathers every slice's
 inputs (with autograd: each slice's gradient goes back to its rank), builds the keys and
 compressed entries of the whole sequence from them, and attends with its own slice's queries,
 all heads: the sliding window, the shared KV head and the compressors' windows then span
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from temper.kernels.attention import causal_band
-from temper.kernels.sparse_attention import sparse_attention
+from temper.kernels.sparse_attention import compressed_attention
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows, rope_tail
 from temper.models.layers.context import ForwardContext
 from temper.models.layers.grouped_linear import GroupedLinear
@@ -142,8 +143,7 @@ class CompressedAttention(nn.Module):
                 seen = self.indexer(x, q_latent, cos, sin, windows, first, ctx.kernels)
             kv = torch.cat((kv, entries.unsqueeze(2)), dim=1)
             sees = torch.cat((sees, seen), dim=-1)
-        scale = self.head_dim**-0.5
-        impl = ctx.kernels.sparse_attention
-        out = sparse_attention(q, kv, kv, sees, scale, impl, sinks=self.sinks)
+        impl = ctx.kernels.compressed_attention
+        out = compressed_attention(q, kv, sees, self.head_dim**-0.5, self.sinks, impl)
         out = rope_tail(out, q_cos, -q_sin, rope)
         return self.wo_b(self.wo_a(out.reshape(b, n, self.o_groups, -1)).flatten(2))
