@@ -57,6 +57,13 @@ step tests 240 "$PY" -m pytest -v --tb=short -p no:cacheprovider -rs \
   tests/distributed/test_activation_checkpoint.py tests/unit/test_float8_experts.py \
   tests/unit/test_fused_block_attention.py
 
+# DeepSeek V4's compressed attention on the sparse-attention Triton kernel
+# (kernels.compressed_attention, opt in): the kernel with per-head sinks and a shared KV head
+# against the gather and the dense reference (fp32 and bf16, forward and q/k/v/sinks
+# gradients), and a 3-layer V4 (sliding, CSA, HCA) on it against the reference (fp32, 1e-5).
+step v4_attention 60 "$PY" -m pytest -v --tb=short -p no:cacheprovider \
+  -k "sinks or deepseek_v4" tests/unit/test_kernels_triton.py
+
 # Observability (docs/observability.md): a traced step, an allocator snapshot and a MoE load
 # map from a short CUDA run, each file checked; then the dry run's peak estimate against the
 # allocator's measured peak (world 1, bf16).
