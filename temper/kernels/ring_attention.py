@@ -28,14 +28,17 @@ Per block, two kernels (``fused``): torch's fused attention kernel that returns 
 log-sum-exp (``temper.utils.compat.fused_attention_forward``: flash on CPU, flash on CUDA for
 fp16/bf16), or the plain-PyTorch reference (scores in fp32, a tile of queries at a time so
 that no more than ``tile_scores`` of them exist at once, whatever the context length). The
-fused kernel takes no mask, only causal order, so it runs the blocks that causal order alone
-decides: the rank's own block (square, causal) and every other block's visible rectangle
-(which the load-balanced layout makes whole: all of this rank's queries over the first half
-of an earlier rank's keys, or this rank's later half of queries over all of a later rank's),
-when no document starts inside the columns involved and the sliding window (if any) covers
-them all. Blocks with a document boundary or a window cut, and heads the kernel cannot take
-(MLA's value head narrower than q's is padded with zeros; a wider one or fp32 on CUDA is
-not), run the reference, in the same ring.
+fused kernel takes no mask, only causal order, so it runs what causal order alone decides:
+the rank's own block (square, causal) and every other block's visible rectangle (which the
+load-balanced layout makes whole: all of this rank's queries over the first half of an
+earlier rank's keys, or this rank's later half of queries over all of a later rank's). A
+block with document boundaries in it runs the fused kernel once per batch row and document
+found in both its queries and its keys (each such piece is again a causal square or a whole
+rectangle, since documents are contiguous), writing that document's rows; rows whose
+document has no key in the block keep output 0 and log-sum-exp -inf, as the mask gives.
+Where the sliding window cuts a block, and for heads the kernel cannot take (MLA's value
+head narrower than q's is padded with zeros; a wider one or fp32 on CUDA is not), the
+reference runs, in the same ring.
 """
 
 from __future__ import annotations
@@ -136,12 +139,15 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             receive = ring.shift(block) if step < ring.size - 1 else None
             source = ring.source(step)
-            if ring.fused[source]:
-                rows, end, causal = ring.rectangle(source)
-                block_out, block_lse = _fused_block(q, *block, rows, end, causal, scale)
-                out[:, rows], lse[..., rows] = _merge(
-                    out[:, rows], lse[..., rows], block_out, block_lse
-                )
+            pieces = ring.pieces[source]
+            if pieces is not None:
+                for batch, rows, keys, causal in pieces:
+                    block_out, block_lse = _fused_block(
+                        q[batch], *(t[batch] for t in block), rows, keys, causal, scale
+                    )
+                    out[batch, rows], lse[batch, ..., rows] = _merge(
+                        out[batch, rows], lse[batch, ..., rows], block_out, block_lse
+                    )
             else:
                 keys, values = (t.float() for t in block)
                 for rows, end in ring.tiles(source):
@@ -180,14 +186,23 @@ class _RingAttention(torch.autograd.Function):
             receive = ring.shift(block) if step < ring.size - 1 else None
             source = ring.source(step)
             grads = [torch.zeros_like(t, dtype=torch.float32) for t in block]
-            if ring.fused[source]:
-                rows, end, causal = ring.rectangle(source)
-                block_dq, d_keys, d_values = _fused_block_backward(
-                    grad_out, q, *block, out, lse, rows, end, causal, scale
-                )
-                dq[:, rows] += block_dq
-                grads[0][:, :end] += d_keys
-                grads[1][:, :end] += d_values
+            pieces = ring.pieces[source]
+            if pieces is not None:
+                for batch, rows, keys, causal in pieces:
+                    block_dq, d_keys, d_values = _fused_block_backward(
+                        grad_out[batch],
+                        q[batch],
+                        *(t[batch] for t in block),
+                        out[batch],
+                        lse[batch],
+                        rows,
+                        keys,
+                        causal,
+                        scale,
+                    )
+                    dq[batch, rows] += block_dq
+                    grads[0][batch, keys] += d_keys
+                    grads[1][batch, keys] += d_values
             else:
                 keys, values = (t.float() for t in block)
                 for rows, end in ring.tiles(source):
@@ -223,16 +238,16 @@ def _fused_block(
     k: torch.Tensor,
     v: torch.Tensor,
     rows: slice,
-    end: int,
+    keys: slice,
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query ``rows`` over the first ``end`` keys of a block, every pair visible (or causal):
+    """Query ``rows`` over the ``keys`` of a block, every pair visible (or causal):
     output [b, s_q, h_kv, g, d_v] (fp32) and log-sum-exp [b, h_kv, g, s_q], from torch's
     fused kernel."""
     b, _, h_kv, d_v = v.shape
     qb = q[:, rows].transpose(1, 2)
-    kb, vb = (t[:, :end].transpose(1, 2) for t in (k, v))
+    kb, vb = (t[:, keys].transpose(1, 2) for t in (k, v))
     out, lse = fused_attention_forward(qb, kb, _pad_head(vb, q.shape[-1]), causal, scale)
     out = out[..., :d_v].transpose(1, 2).float()
     return out.reshape(b, -1, h_kv, q.shape[2] // h_kv, d_v), lse.view(b, h_kv, -1, lse.shape[-1])
@@ -246,17 +261,17 @@ def _fused_block_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     rows: slice,
-    end: int,
+    keys: slice,
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of dq [b, s_q, h_kv, g, d] and its dk, dv for its first ``end`` keys
-    ([b, end, h_kv, d(_v)]), all fp32, from the whole row's output and log-sum-exp (grouped
+    """This block's share of dq [b, s_q, h_kv, g, d] and its dk, dv for its ``keys``
+    ([b, s_k, h_kv, d(_v)]), all fp32, from the whole row's output and log-sum-exp (grouped
     as the forward keeps them)."""
     b, _, h_kv, d_v = v.shape
     d = q.shape[-1]
     qb = q[:, rows].transpose(1, 2)
-    kb, vb = (t[:, :end].transpose(1, 2) for t in (k, v))
+    kb, vb = (t[:, keys].transpose(1, 2) for t in (k, v))
     ob, gb = (_pad_head(t[:, rows].flatten(2, 3).transpose(1, 2), d) for t in (out, grad_out))
     lb = lse[..., rows].flatten(1, 2).contiguous()
     dq, dk, dv = fused_attention_backward(gb, qb, kb, _pad_head(vb, d), ob, lb, causal, scale)
@@ -273,7 +288,7 @@ def _pad_head(t: torch.Tensor, size: int) -> torch.Tensor:
 class _Ring:
     """This rank's place in the CP ring: neighbours, every rank's global columns, the part of
     each rank's block that causal order lets each tile of this rank's queries see, the
-    visibility mask there, and which blocks the fused kernel runs."""
+    visibility mask there, and which pieces of each block the fused kernel runs."""
 
     def __init__(
         self,
@@ -298,7 +313,7 @@ class _Ring:
         self.overlap = overlap
         b, s, h, _ = q.shape
         self.query_tile = max(1, tile_scores // (b * h * s))
-        self.fused = self._unmasked() if fused else [False] * self.size
+        self.pieces = self._pieces() if fused else [None] * self.size
 
     def source(self, step: int) -> int:
         """The rank whose block this rank holds at ``step``."""
@@ -313,22 +328,40 @@ class _Ring:
         end = int(torch.searchsorted(theirs, mine[-1], right=True))
         return slice(start, len(mine)), end, source == self.rank
 
-    def _unmasked(self) -> list[bool]:
-        """Per source rank: whether causal order alone decides its ``rectangle``: the window
-        (if any) spans it and no document starts inside it, in any row. One host sync for all
-        blocks (the document ids live on the device)."""
+    def _pieces(self) -> list[list[Piece] | None]:
+        """Per source rank: the pieces of its ``rectangle`` the fused kernel runs, None where
+        the window (if any) cuts the rectangle (the reference runs it). Without a document
+        boundary in the rectangle's columns, one piece for the whole batch; else one per batch
+        row and document present in both its query rows and its keys. Document ids ascend
+        along a row and so do both column lists, so a document is a range of either: a causal
+        square on the rank's own block, a whole rectangle elsewhere (the layout puts one
+        block's keys wholly before or after the other's queries). Query rows whose document
+        has no key here get nothing, as the mask gives. One host sync for all blocks: the
+        document ids are read once."""
         mine = self.host_columns[self.rank]
         last = int(mine[-1])  # every block's rectangle ends at this rank's last query
-        first = [
-            int(min(mine[self.rectangle(source)[0].start], self.host_columns[source][0]))
-            for source in range(self.size)
-        ]
-        spans = [self.window is None or last - column < self.window for column in first]
-        if self.doc_ids is None:
-            return spans
-        starts = torch.tensor(first, device=self.doc_ids.device)
-        same = self.doc_ids[:, starts] == self.doc_ids[:, last, None]
-        return [a and b for a, b in zip(spans, same.all(dim=0).tolist(), strict=True)]
+        ids = None if self.doc_ids is None else self.doc_ids.cpu()
+        result: list[list[Piece] | None] = []
+        for source in range(self.size):
+            rows, end, causal = self.rectangle(source)
+            theirs = self.host_columns[source][:end]
+            first = min(int(mine[rows.start]), int(theirs[0]))
+            if self.window is not None and last - first >= self.window:
+                result.append(None)
+            elif ids is None or bool((ids[:, first] == ids[:, last]).all()):
+                result.append([(slice(None), rows, slice(0, end), causal)])
+            else:
+                pieces = []
+                for i, row in enumerate(ids):
+                    key_runs = _runs(row[theirs])
+                    for doc, (q0, q1) in _runs(row[mine[rows]]).items():
+                        if doc in key_runs:
+                            doc_rows = slice(rows.start + q0, rows.start + q1)
+                            pieces.append(
+                                (slice(i, i + 1), doc_rows, slice(*key_runs[doc]), causal)
+                            )
+                result.append(pieces)
+        return result
 
     def tiles(self, source: int) -> list[tuple[slice, int]]:
         """This rank's query rows in tiles of ``query_tile``, each with the end of the keys of
@@ -387,6 +420,21 @@ class _Ring:
         if not self.overlap:
             wait()
         return wait
+
+
+Piece = tuple[slice, slice, slice, bool]
+"""What the fused kernel runs of one block: batch rows, query rows, key rows, and whether
+causal order (a square on the diagonal) or all pairs."""
+
+
+def _runs(ids: torch.Tensor) -> dict[int, tuple[int, int]]:
+    """Ascending document ids (host) -> each document's [start, end) positions among them."""
+    docs, counts = torch.unique_consecutive(ids, return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    return {
+        doc: (stop - n, stop)
+        for doc, n, stop in zip(docs.tolist(), counts.tolist(), ends, strict=True)
+    }
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Ring attention at CP 2 and CP 4 gives one process's attention (``attention(..., "sdpa")`` on
 the whole sequence) and its q, k, v and sink gradients within 1e-5, on packed rows whose
 documents cross the chunk boundaries and end in padding, with GQA, sinks, a sliding window
-and MLA's head sizes (v narrower than q/k, its own scale). Gated DeltaNet at CP 2 and CP 4, its
+and MLA's head sizes (v narrower than q/k, its own scale), with the fused kernel (per
+document where a block holds document boundaries) and without. Gated DeltaNet at CP 2 and CP 4, its
 state and convolution window passed along the chunks, gives one process's output and
 gradients alike.
 """
@@ -67,7 +68,10 @@ CP2_CASES = (
     Case("one_boundary", documents=([6, 18],)),
     Case("sinks_rows", packed=False, sinks=True),
 )
-CP4_CASES = (Case("all", window=4, sinks=True, v_dim=6),)
+CP4_CASES = (
+    Case("all", window=4, sinks=True, v_dim=6),
+    Case("documents_sinks", sinks=True, v_dim=6),
+)
 
 
 def _positions(documents: tuple[list[int], ...] = DOCUMENTS) -> torch.Tensor:
@@ -179,19 +183,29 @@ def _reference(case: Case) -> dict[str, torch.Tensor]:
 
 
 FUSED_CALLS = {
+    "gqa_documents": [18, 14],
     "causal_rows": [4, 4],
+    "mla": [18, 14],
     "mla_rows_wide_window": [2, 4],
-    "one_boundary": [2, 2],
+    "one_boundary": [6, 2],
     "sinks_rows": [4, 4],
+    "documents_sinks": [22, 20, 20, 18],
 }
-"""Fused kernel calls per rank (forward + backward) at CP 2, by hand from the layout (rank 0
-holds columns 0-5 and 18-23, rank 1 6-17); other cases make none. Continuous rows: both
-blocks on both ranks, with sinks too (added after the merge). A window of 20: rank 0's own
-block spans 23 columns (cut), its rectangle of rank 1's keys 6-17 against its queries 18-23
-spans 17 (whole), and rank 1's two 17 and 11. Documents 0-5 and 6-23: rank 0's own block
-and rank 1's rectangle of rank 0's keys (0-5 against 6-17) cross the boundary, the other two
-do not. The packed rows of the other cases cross a boundary in every block, and CP 4's
-window of 4 cuts every block."""
+"""Fused kernel calls per rank (forward + backward, so twice the forward's), by hand from the
+layout; other cases make none. CP 2: rank 0 holds columns 0-5 and 18-23, rank 1 6-17; its
+own block is causal over all 12, its rectangle of the other's keys is 18-23 over 6-17 on
+rank 0 and 6-17 over 0-5 on rank 1. Continuous rows: one call per block, with sinks too
+(added after the merge). A window of 20: rank 0's own block spans 23 columns (cut), its
+rectangle spans 17 (whole), rank 1's two 11 and 17. A block with document boundaries runs
+one call per row and document in both its queries and its keys. DOCUMENTS (row 0: 0-4,
+5-13, 14-16, 17-23; row 1: 0-10, 11-21, 22, 23): rank 0's own block 2 + 4, its rectangle
+1 + 1 (documents 3 and 1); rank 1's own 3 + 2, its rectangle 1 + 1 (documents 1 and 0): 9
+and 7. One boundary (0-5, 6-23): rank 0's own block 2 (both documents), its rectangle one
+document; rank 1's own block one document, its rectangle none in common: 3 and 1. CP 4
+(chunks of 3; rank r holds chunks r and 7 - r), DOCUMENTS, per source rank 0-3 (row 0 +
+row 1): rank 0: 2+4, 1+1, 1+1, 0+1 = 11; rank 1: 1+1, 3+2, 1+1, 0+1 = 10; rank 2: 0+1,
+1+1, 3+2, 1+1 = 10; rank 3: 0+1, 1+1, 1+1, 2+2 = 9. CP 2's other packed case has a window
+of 5 and CP 4's "all" a window of 4, which cut every block."""
 
 
 @pytest.mark.parametrize(
