@@ -4,6 +4,7 @@
     python -m bench.context_parallel --runs 1:16384,4:65536        # the long-context pair
     python -m bench.context_parallel --runs 2:8192 --reference     # the reference kernel
     python -m bench.context_parallel --attention --runs 4:16384    # ring attention alone
+    python -m bench.context_parallel --attention --documents 1000  # on packed rows
 
 A run is ``cp:tokens``: that many gloo ranks (fresh processes, one thread each), all one CP
 group, train ``--recipe`` on one continuous row of ``tokens`` for ``--steps`` steps (the
@@ -20,7 +21,8 @@ are not counted.
 ``--attention``: ring attention alone (the debug model's heads: 8 query, 4 key/value heads of
 32), forward and backward on random fp32 inputs, the second of two calls timed, with the
 fused per-block kernel and with the reference, each with transfers overlapping the block
-compute and waited for first: whether the overlap shows on gloo.
+compute and waited for first: whether the overlap shows on gloo. ``--documents N``: the row
+packed with documents of N tokens (the last shorter), so blocks hold document boundaries.
 """
 
 from __future__ import annotations
@@ -62,36 +64,47 @@ def measure_rank(
     return peak / GIB, alive / GIB, time.perf_counter() - start
 
 
-def time_attention(seq_len: int, fused: bool, overlap: bool) -> float:
+def time_attention(seq_len: int, fused: bool, overlap: bool, document: int | None) -> float:
     """On one rank: seconds of ring attention's forward and backward over ``seq_len`` tokens
-    split over every rank (one continuous row), the second of two calls."""
+    split over every rank (one row: continuous, or documents of ``document`` tokens), the
+    second of two calls."""
     import torch.distributed as dist
 
+    from temper.kernels.attention import DocumentMask
     from temper.kernels.ring_attention import ring_attention
 
     dist.init_process_group("gloo")
     local = seq_len // dist.get_world_size()
     g = torch.Generator().manual_seed(dist.get_rank())
     q, k, v = (torch.randn(1, local, h, 32, generator=g) for h in (8, 4, 4))
+    docs = None
+    if document is not None:
+        docs = DocumentMask.from_starts(torch.arange(seq_len)[None] % document == 0)
     seconds = 0.0
     for _ in range(2):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         dist.barrier()
         start = time.perf_counter()
-        out = ring_attention(*inputs, None, dist.group.WORLD, fused=fused, overlap=overlap)
+        out = ring_attention(*inputs, docs, dist.group.WORLD, fused=fused, overlap=overlap)
         out.sum().backward()
         seconds = time.perf_counter() - start
     return seconds
 
 
-def attention_table(runs: str, run_on_ranks: Callable[..., list[Any]]) -> None:
+def attention_table(
+    runs: str, document: int | None, run_on_ranks: Callable[..., list[Any]]
+) -> None:
     print("\n| tokens | CP | kernel | overlapped (s) | in series (s) |")
     print("| ---: | ---: | --- | ---: | ---: |", flush=True)
     for run in runs.split(","):
         cp, seq_len = map(int, run.split(":"))
         for fused in (True, False):
             times = [
-                max(run_on_ranks(time_attention, cp, seq_len, fused, overlap, timeout=3600.0))
+                max(
+                    run_on_ranks(
+                        time_attention, cp, seq_len, fused, overlap, document, timeout=3600.0
+                    )
+                )
                 for overlap in (True, False)
             ]
             kernel = "fused" if fused else "reference"
@@ -107,14 +120,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per run; the last measured")
     parser.add_argument("--reference", action="store_true", help="ring attention's reference")
     parser.add_argument("--attention", action="store_true", help="time ring attention alone")
+    parser.add_argument(
+        "--documents", type=int, default=None, help="--attention: documents of N tokens"
+    )
     args = parser.parse_args()
+    if args.documents is not None and not args.attention:
+        parser.error("--documents times ring attention alone: add --attention")
     extra = ["--kernels.no_fused_ring_attention"] if args.reference else []
     # The tests' gloo launcher: N fresh processes, a failing or hung rank reported.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
     from harness import run_on_ranks
 
     if args.attention:
-        attention_table(args.runs, run_on_ranks)
+        attention_table(args.runs, args.documents, run_on_ranks)
         return
     print(f"{args.recipe}, fp32 CPU, torch {torch.__version__}, {' '.join(extra) or 'defaults'}")
     print(
