@@ -49,13 +49,14 @@ triton.__version__, "transformers", transformers.__version__)' | tee -a "$LOGS/g
 # varlen / flex attention backends, gpt-oss's sinks and windows through flex, selective
 # checkpointing keeping each backend's output, FLA's gated delta rule when fla is installed,
 # the FP8 routed experts (torchao's FP8 grouped GEMM, sm90+) against bf16, and ring
-# attention's per-block flash kernel (compat.fused_attention_*, bf16). TESTS_K
+# attention's per-block flash kernel (compat.fused_attention_*, bf16), also run per document
+# inside ring attention on packed rows (a one-rank CP group). TESTS_K
 # narrows them (a pytest -k expression).
 step tests 240 "$PY" -m pytest -v --tb=short -p no:cacheprovider -rs \
   -k "${TESTS_K:-cuda or gpu or triton}" tests/unit/test_kernels_triton.py \
   tests/unit/test_attention.py tests/unit/test_gpt_oss.py tests/unit/test_gated_deltanet.py \
   tests/distributed/test_activation_checkpoint.py tests/unit/test_float8_experts.py \
-  tests/unit/test_fused_block_attention.py
+  tests/unit/test_fused_block_attention.py tests/distributed/test_context_parallel.py
 
 # DeepSeek V4's compressed attention on the sparse-attention Triton kernel
 # (kernels.compressed_attention, opt in): the kernel with per-head sinks and a shared KV head

@@ -241,6 +241,63 @@ def test_ring_attention_matches_one_process(
         assert calls == (FUSED_CALLS.get(case.name, [0] * size) if fused else [0] * size)
 
 
+def _one_rank_ring(device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Ring attention in a CP group of one rank (no transfer: its own block alone) on packed
+    rows, with sinks and v narrower than q: its output and gradients (on the host) and how
+    many fused kernel calls ran."""
+    import torch.distributed as dist
+
+    from temper.kernels import ring_attention as ring_module
+
+    dist.init_process_group("gloo")
+    calls = []
+    kernel = ring_module.fused_attention_forward
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return kernel(*args)
+
+    ring_module.fused_attention_forward = counted
+    inputs = {n: t.to(device, dtype) for n, t in _inputs(ONE_RANK).items()}
+    q, k, v, sinks = (inputs[n].requires_grad_() for n in ("q", "k", "v", "sinks"))
+    docs = DocumentMask.from_position_ids(_positions().to(device))
+    out = ring_module.ring_attention(q, k, v, docs, dist.group.WORLD, sinks=sinks)
+    (out * inputs["grad"]).sum().backward()
+    result = {"out": out, "q": q.grad, "k": k.grad, "v": v.grad, "sinks": sinks.grad}
+    result = {n: t.detach().float().cpu() for n, t in result.items()}
+    result["fused_calls"] = torch.tensor(len(calls))
+    return result
+
+
+ONE_RANK = Case("one_rank", sinks=True, v_dim=6)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "tol"),
+    [
+        pytest.param("cpu", torch.float32, 1e-5, id="cpu_fp32"),
+        pytest.param(
+            "cuda",
+            torch.bfloat16,
+            3e-2,
+            id="cuda_bf16",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ),
+    ],
+)
+def test_ring_attention_runs_documents_fused_on_the_device(
+    device: str, dtype: torch.dtype, tol: float
+) -> None:
+    """The fused kernel per document on ``device`` (on CUDA flash's branch, bf16; the GPU
+    check script runs it): one rank's ring, its own block cut into the documents of
+    DOCUMENTS' two rows (4 + 4 causal squares, forward calls counted), against one process's
+    attention in fp32 on the CPU."""
+    (got,) = run_on_ranks(_one_rank_ring, 1, device, dtype)
+    assert int(got.pop("fused_calls")) == 8
+    for name, expected in _reference(ONE_RANK).items():
+        torch.testing.assert_close(got[name], expected, rtol=tol, atol=tol, msg=name)
+
+
 def test_cp2_halves_each_ranks_activation_peak(tmp_path: Path) -> None:
     """Llama 3 debug, one continuous row of 4096 tokens, one training step: the busiest CP 2
     rank's live-tensor peak (``bench.context_parallel``'s count, over the tensors alive
