@@ -66,13 +66,15 @@ def logits_grad_reference(
 
     d lse / d logits = p;  d log p_label / d logits = onehot(label) - p.
 
-    The one-hot term is a comparison with the column index rather than a scatter, so the
-    compiled form is one element-wise pass that writes over ``logits`` with no temporary.
+    Every step works in place on the fp32 chunk (the chunk itself when it is fp32), and the
+    one-hot term is added at each row's label only: no [rows, vocab] temporary, where the
+    out-of-place chain made four of them per chunk.
     """
-    probs = (logits.float() - lse[:, None]).exp()
-    onehot = torch.arange(logits.shape[1], device=logits.device) == labels.clamp(min=0)[:, None]
-    grad = probs * (grad_lse - grad_log_probs)[:, None]
-    return logits.copy_(grad + torch.where(onehot, grad_log_probs[:, None], 0.0))
+    grad = logits.float()
+    grad.sub_(lse[:, None]).exp_().mul_((grad_lse - grad_log_probs)[:, None])
+    rows = torch.arange(grad.shape[0], device=grad.device)
+    grad[rows, labels.clamp(min=0)] += grad_log_probs
+    return logits.copy_(grad)
 
 
 def linear_log_probs_reference(
