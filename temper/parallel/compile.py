@@ -17,8 +17,6 @@ from torch import nn
 
 from temper.models.layers.context import SequenceMixer
 from temper.models.layers.moe import moe_layers
-from temper.models.layers.sparse_attention import SparseMLA
-from temper.utils.compat import forward_side_effects_once
 from temper.utils.recompute import recomputed_whole
 
 
@@ -29,10 +27,8 @@ def apply_compile(
     around_ring: bool = False,
 ) -> None:
     """Compile each block's forward (after activation checkpointing, so it is traced too).
-    An MoE block returns its routing statistics beside its output (`MoE.forward`), so it has
-    no side effect to trace; a block with DeepSeek sparse attention still records its
-    indexer's KL in forward, so it compiles with `forward_side_effects_once` (torch 2.11
-    refuses it otherwise).
+    A block returns its routing statistics and its sparse-attention indexer's KL beside its
+    output (`BlockAux`), so it has no side effect to trace.
 
     ``around_dispatch`` (expert parallelism, whose all-to-all dispatch reads its split sizes
     on the host and cannot be traced) compiles each block's parts instead: every module but
@@ -52,9 +48,7 @@ def apply_compile(
                 compiled = torch.compile(part.forward, fullgraph=True, backend=backend)
                 part.forward = _inside(recomputed_whole, compiled)
         else:
-            compiled = torch.compile(block.forward, fullgraph=True, backend=backend)
-            records = any(isinstance(m, SparseMLA) for m in block.modules())
-            block.forward = _inside(forward_side_effects_once, compiled) if records else compiled
+            block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
 
 
 def _parts_around(block: nn.Module, dispatch: bool, ring: bool) -> Iterator[nn.Module]:

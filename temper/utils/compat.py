@@ -76,18 +76,6 @@ def sac_ignores_profiler_annotations() -> None:
     )
 
 
-def forward_side_effects_once() -> Any:
-    """A context in which torch.compile lets an activation-checkpointed region set Python
-    state in forward (DeepSeek sparse attention's ``indexer_kl``), applied once and not
-    replayed by the recomputation, as eager does. torch 2.13 traces such a block without it;
-    2.11 refuses it ("HOP: Unsafe side effect"). Dynamo's settings: checked 2.11, 2.13. No
-    public equivalent. Imported here, not with this module: dynamo takes about a second to
-    import, which the CLI's ``--help`` and config errors do without."""
-    from torch._dynamo import config
-
-    return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
-
-
 def dynamic_size(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """``tensor`` with ``dim`` marked dynamic for torch.compile, which then traces one graph
     for every size of it instead of one per size, also under ``dynamic=False`` (the static
@@ -301,7 +289,6 @@ __all__ = [
     "dcp_storage_info",
     "dump_memory_snapshot",
     "foreach_mul_",
-    "forward_side_effects_once",
     "functional_all_reduce",
     "functional_all_to_all",
     "foreach_norm",

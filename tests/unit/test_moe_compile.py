@@ -151,6 +151,43 @@ def test_compiled_sparse_attention_blocks_train_as_eager() -> None:
     _assert_trains_alike(eager, compiled, torch.randint(0, 64, (2, 48)))
 
 
+@pytest.mark.slow
+def test_compiled_indexer_training_and_shared_selection_train_as_eager() -> None:
+    """GLM-5's blocks with their indexers training (``sparse``) and layers that reuse the
+    choice before them (``shared``), compiled whole under full checkpointing: the KL term and
+    the selection are block outputs, so torch 2.11, which refuses a side effect in a
+    checkpointed region, traces them too. The same loss, KL and gradients (the indexers'
+    included) as eager."""
+    torch.manual_seed(0)
+    overrides = {
+        "index_topk": 16,
+        "indexer_training": "sparse",
+        "indexer_types": ("full", "shared", "full", "shared"),
+    }
+    eager, compiled = _eager_and_compiled(
+        build_model("glm_moe_dsa", "debug", overrides=overrides), "full", "aot_eager"
+    )
+    tokens = torch.randint(0, 64, (2, 48))
+    results = []
+    for model in (eager, compiled):
+        logits = model(tokens)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        kl = model.indexer_loss()
+        (loss + model.aux_loss() + kl).backward()
+        results.append((loss.detach(), kl.detach(), dict(model.named_parameters())))
+    (eager_loss, eager_kl, eager_params), (loss, kl, params) = results
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(kl, eager_kl, rtol=1e-5, atol=0)
+    assert eager_params["layers.0.attention.indexer.wk.weight"].grad is not None
+    for name, p in params.items():
+        want = eager_params[name].grad
+        assert (p.grad is None) == (want is None), name
+        if want is not None:
+            torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
+    torch.compiler.reset()
+
+
 def test_compiled_deepseek_v4_blocks_train_as_eager() -> None:
     """DeepSeek V4's blocks (hyper-connections, compressed attention with its compressors and
     the CSA indexer's top-k, a hash-routed MoE and a top-k one) compile whole under full

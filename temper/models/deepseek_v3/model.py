@@ -93,8 +93,8 @@ class DeepseekV3Transformer(MoEDecoder):
         embedded = self.tok_embeddings(input_ids)
         normed = []
         for k, depth in enumerate(self.mtp):
-            h, stats = depth(h, embedded.roll(-(k + 1), dims=1), ctx)
-            keep_routing(self.last_routing, depth.block.feed_forward, stats)
+            h, aux = depth(h, embedded.roll(-(k + 1), dims=1), ctx)
+            keep_routing(self.last_routing, depth.block.feed_forward, aux.routing)
             normed.append(depth.norm(h, self.kernels))
         return normed
 

@@ -6,7 +6,7 @@ import torch
 
 from temper.models.deepseek_v3.model import DeepseekV3Transformer
 from temper.models.deepseek_v32.args import DeepseekV32Args
-from temper.models.layers.sparse_attention import SharedSelection, SparseMLA
+from temper.models.layers.sparse_attention import SparseMLA
 
 
 class DeepseekV32Transformer(DeepseekV3Transformer):
@@ -24,23 +24,17 @@ class DeepseekV32Transformer(DeepseekV3Transformer):
                 param.requires_grad_(".indexer." in name)
 
     def indexer_loss(self) -> torch.Tensor | None:
-        """The indexers' KL term of the latest forward, averaged over layers, before
+        """The indexers' KL term of the latest forward (its blocks' outputs, ``last_aux``),
+        averaged over layers, before
         ``indexer_loss_weight``; None when it computed none (``indexer_training`` off, an
         eval-mode or no-grad forward, decoding)."""
-        terms = [
-            layer.attention.indexer_kl
-            for i, layer in enumerate(self.layers)
-            if self.args.has_indexer(i)
-        ]
+        terms = [aux.indexer_kl for i, aux in enumerate(self.last_aux) if self.args.has_indexer(i)]
         kls = [t for t in terms if t is not None]
-        return torch.stack(kls).mean() if len(kls) == len(terms) else None
+        return torch.stack(kls).mean() if kls and len(kls) == len(terms) else None
 
     def attention(self, layer_id: int) -> SparseMLA:
-        return self.sparse_mla(layer_id, None)
-
-    def sparse_mla(self, layer_id: int, selection: SharedSelection | None) -> SparseMLA:
-        """Layer ``layer_id``'s attention, sharing ``selection`` with the layers before or
-        after it (GLM-5's cross-layer top-k)."""
+        """Layer ``layer_id``'s attention; without an indexer (GLM-5's shared layers) it
+        reuses the choice of the latest layer with one."""
         args = self.args
         return SparseMLA(
             **self.mla_shape(),
@@ -49,7 +43,6 @@ class DeepseekV32Transformer(DeepseekV3Transformer):
             index_topk=args.index_topk,
             index_rope_interleaved=self.index_rope_interleaved,
             indexer_training=args.indexer_training,
-            selection=selection,
             own_indexer=args.has_indexer(layer_id),
         )
 

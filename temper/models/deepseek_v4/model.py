@@ -24,7 +24,7 @@ from temper.models.deepseek_v4.mtp import DeepseekV4MTP, mtp_block_args, predict
 from temper.models.layers.compressed_attention import CompressedAttention, CompressedContext
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows
 from temper.models.layers.context import ForwardContext
-from temper.models.layers.decoder import INIT_STD
+from temper.models.layers.decoder import INIT_STD, BlockAux
 from temper.models.layers.experts import GroupedExperts, limited_swiglu
 from temper.models.layers.hyper_connections import HyperConnection, HyperHead, residual
 from temper.models.layers.init import depth_scaled_std, init_linear
@@ -96,8 +96,9 @@ class DeepseekV4Block(nn.Module):
 
     def forward(
         self, streams: torch.Tensor, ctx: CompressedContext
-    ) -> tuple[torch.Tensor, RoutingStats]:
-        """The streams after the block and its experts' routing statistics. Under sequence
+    ) -> tuple[torch.Tensor, BlockAux]:
+        """The streams after the block and its auxiliary outputs: its experts' routing
+        statistics (``BlockAux.routing``; V4's indexer trains no KL term). Under sequence
         parallelism (``ctx.shard``) the streams are this rank's slice, while the context's
         rotary, documents and windows span the whole sequence; the statistics leave the
         slice's padding out. Router replay's ``ctx.route`` and ``ctx.record_routes`` reach
@@ -108,7 +109,8 @@ class DeepseekV4Block(nn.Module):
         x, post, comb = self.ffn_hc(streams)
         h = self.ffn_norm(x, ctx.kernels)
         routed, stats = self.feed_forward(h, ctx)
-        return residual(streams, routed + self.shared_experts(h, ctx), post, comb), stats
+        out = residual(streams, routed + self.shared_experts(h, ctx), post, comb)
+        return out, BlockAux(stats)
 
 
 def _attention(args: DeepseekV4Args, kind: str) -> CompressedAttention:
@@ -295,8 +297,6 @@ class DeepseekV4Transformer(nn.Module):
             for kind, ratio in ratios.items()
             if kind in self.args.layer_types
         }
-        for router in self._hash_routers():
-            router.token_ids = input_ids
         h = self.tok_embeddings(input_ids)
         streams = h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
         contexts = {
@@ -307,14 +307,15 @@ class DeepseekV4Transformer(nn.Module):
                 caches=caches,
                 doc_ids=doc_ids,
                 windows=windows.get(kind),
+                token_ids=input_ids,
                 **self.router_replay.fields(self),
             )
             for kind in rotary
         }
         routing: list[RoutingStats] = []
         for i, (layer, kind) in enumerate(zip(self.layers, self.args.layer_types, strict=True)):
-            streams, stats = layer(streams, contexts[kind].layer(i))
-            keep_routing(routing, layer.feed_forward, stats)
+            streams, aux = layer(streams, contexts[kind].layer(i))
+            keep_routing(routing, layer.feed_forward, aux.routing)
         self.last_routing = routing
         self.router_replay.keep(routing)
         self.mtp_hidden, self._mtp_shard = [], shard
@@ -357,9 +358,6 @@ class DeepseekV4Transformer(nn.Module):
         return v4_mtp_loss(
             hidden, head, labels, position_ids, weight, chunk_tokens, self._mtp_shard
         )
-
-    def _hash_routers(self) -> list[HashRouter]:
-        return [m.router for m in moe_layers(self).values() if isinstance(m.router, HashRouter)]
 
     def routing(self) -> list[RoutingStats]:
         """The routing of each MoE layer in the latest forward."""

@@ -33,6 +33,7 @@ from torch import nn
 from temper.data.batch import SequenceShard
 from temper.models.deepseek_v4.args import SLIDING, DeepseekV4Args
 from temper.models.layers.compressed_attention import CompressedContext
+from temper.models.layers.decoder import BlockAux
 from temper.models.layers.hyper_connections import HyperHead
 from temper.models.layers.init import init_linear
 from temper.models.layers.moe import RoutingStats, keep_routing
@@ -72,9 +73,9 @@ class DeepseekV4MTP(nn.Module):
 
     def forward(
         self, streams: torch.Tensor, embedded: torch.Tensor, ctx: CompressedContext
-    ) -> tuple[torch.Tensor, RoutingStats]:
+    ) -> tuple[torch.Tensor, BlockAux]:
         """streams [b, s, hc_mult, dim] and the next tokens' embeddings [b, s, dim] -> this
-        depth's streams (the next depth's input) and its experts' routing statistics; ``ctx``
+        depth's streams (the next depth's input) and its block's auxiliary outputs; ``ctx``
         as a main sliding layer's (no cache, no routes to replay)."""
         kernels = ctx.kernels
         embedded, streams = self.enorm(embedded, kernels), self.hnorm(streams, kernels)
@@ -107,8 +108,8 @@ def predict_ahead(
     normed = []
     for k, depth in enumerate(depths):
         embedded = embedding(shifted_ids(input_ids, k + 1, ctx.shard))
-        streams, stats = depth(streams, embedded, ctx)
-        keep_routing(routing, depth.block.feed_forward, stats)
+        streams, aux = depth(streams, embedded, ctx)
+        keep_routing(routing, depth.block.feed_forward, aux.routing)
         normed.append(depth.norm(depth.hc_head(streams), ctx.kernels))
     return normed
 

@@ -60,6 +60,10 @@ class ForwardContext:
     """[b, s_q, t] True at the keys each query attends to: sparse attention's top-k choice
     (DeepSeek V3.2), set by that layer for its ``mix_heads`` (every query of the whole
     sequence under sequence parallelism; the new tokens against the cache when decoding)."""
+    reused_selection: torch.Tensor | None = None
+    """[b, s_q, t] the keys chosen by the latest earlier layer with a sparse-attention indexer,
+    for a layer without one (GLM-5's shared layers): the decoder sets it from that block's
+    outputs (``BlockAux.selected``)."""
     routes: tuple[torch.Tensor | None, ...] = ()
     """Router replay: each block's experts to impose, [b, s, top_k] (None for a block without
     routed experts); empty: the routers choose."""
@@ -68,6 +72,9 @@ class ForwardContext:
     record_routes: bool = False
     """MoE layers return the experts they routed to with their statistics (router replay's
     record, ``RoutingStats.experts``)."""
+    token_ids: torch.Tensor | None = None
+    """[b, s] this forward's token ids (a sequence-parallel slice's under SP): what a hash
+    router (DeepSeek V4's ``HashRouter``) chooses experts by."""
 
     @property
     def valid_len(self) -> int | None:

@@ -12,15 +12,18 @@ told so by a ``SequenceShard`` argument.
 Each forward builds one ``ForwardContext`` (rotary tables, documents, backend, the slice, the
 KV cache, the kernel choices, router replay's routes) and hands every block its layer's view;
 blocks call their sublayers ``(x, ctx)``. A block returns its output and, if its MLP is a
-mixture of experts, that layer's ``RoutingStats``; the decoder collects them at its top level,
-outside any checkpointed or compiled block, into ``last_routing``. The kernel choices are the
-model's own (``use_kernels``, which an Engine calls with its run's): a model nobody configured
-runs every op's reference.
+mixture of experts, that layer's ``RoutingStats``, and if its attention is DeepSeek sparse
+attention, the indexer's KL term, in one ``BlockAux``; the decoder collects them at its top
+level, outside any checkpointed or compiled block, into ``last_aux`` and ``last_routing``. The
+kernel choices are the model's own (``use_kernels``, which an Engine calls with its run's): a
+model nobody configured runs every op's reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -38,8 +41,24 @@ from temper.models.layers.moe import MoE, RoutingStats, keep_routing
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 from temper.models.layers.route_replay import RouterReplay
+from temper.models.layers.sparse_attention import SparseMLA
 
 INIT_STD = 0.02
+
+
+class BlockAux(NamedTuple):
+    """What a block returns beside its hidden state: its sublayers' auxiliary outputs of one
+    forward, each None where the block has no such sublayer or it computed none. Outputs, not
+    state the layers keep: a pytree that activation checkpointing, torch.compile and FSDP pass
+    through as they pass the hidden state, so a recomputation has nothing to overwrite."""
+
+    routing: RoutingStats | None = None
+    """Its MoE layer's routing statistics."""
+    indexer_kl: torch.Tensor | None = None
+    """[] its sparse-attention indexer's KL term (``SparseMLA``, when the indexer trains)."""
+    selected: torch.Tensor | None = None
+    """[b, s, t] the keys its sparse attention chose, which the next blocks without an
+    indexer reuse (``ForwardContext.reused_selection``)."""
 
 
 class Block(nn.Module):
@@ -58,16 +77,21 @@ class Block(nn.Module):
         self.attention_norm = norm_cls(args.dim, args.norm_eps)
         self.ffn_norm = norm_cls(args.dim, args.norm_eps)
         self.routed = isinstance(feed_forward, MoE)
+        self.indexed = isinstance(attention, SparseMLA)
 
-    def forward(
-        self, x: torch.Tensor, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, RoutingStats | None]:
-        """The block's output and its MoE layer's routing statistics (None for a dense MLP)."""
-        h = x + self.attention(self.attention_norm(x, ctx.kernels), ctx)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, BlockAux]:
+        """The block's output and its auxiliary outputs (``BlockAux``)."""
+        kl = selected = None
+        if self.indexed:
+            out, (kl, selected) = self.attention(self.attention_norm(x, ctx.kernels), ctx)
+        else:
+            out = self.attention(self.attention_norm(x, ctx.kernels), ctx)
+        h = x + out
         if not self.routed:
-            return h + self.feed_forward(self.ffn_norm(h, ctx.kernels), ctx), None
+            h = h + self.feed_forward(self.ffn_norm(h, ctx.kernels), ctx)
+            return h, BlockAux(None, kl, selected)
         out, stats = self.feed_forward(self.ffn_norm(h, ctx.kernels), ctx)
-        return h + out, stats
+        return h + out, BlockAux(stats, kl, selected)
 
 
 class Decoder(nn.Module):
@@ -104,6 +128,9 @@ class Decoder(nn.Module):
         """Router replay's routes to impose and record flag, put in each forward's context."""
         self.last_routing: list[RoutingStats] = []
         """The routing statistics of the latest forward, one per MoE layer that ran."""
+        self.last_aux: list[BlockAux] = []
+        """Each block's auxiliary outputs in the latest forward, in layer order (without the
+        sparse-attention selections, which only the next blocks read)."""
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run the fused ops as ``kernels`` says from now on: an Engine's choices, resolved for
@@ -219,7 +246,14 @@ class Decoder(nn.Module):
                 sinks=self.attention_sinks,
             )
             ctx = ForwardContext(
-                cos, sin, docs, backend, shard, self.kernels, **self.router_replay.fields(self)
+                cos,
+                sin,
+                docs,
+                backend,
+                shard,
+                self.kernels,
+                token_ids=input_ids,
+                **self.router_replay.fields(self),
             )
         elif docs is not None or shard is not None:
             raise ValueError(
@@ -234,13 +268,19 @@ class Decoder(nn.Module):
                 backend="sdpa",
                 kernels=self.kernels,
                 caches=caches,
+                token_ids=input_ids,
                 **self.router_replay.fields(self),
             )
         routing: list[RoutingStats] = []
+        aux: list[BlockAux] = []
         for i, layer in enumerate(self.layers):
-            h, stats = layer(h, ctx.layer(i))
-            keep_routing(routing, layer.feed_forward, stats)
-        self.last_routing = routing
+            h, outputs = layer(h, ctx.layer(i))
+            keep_routing(routing, layer.feed_forward, outputs.routing)
+            if outputs.selected is not None:
+                ctx = dataclasses.replace(ctx, reused_selection=outputs.selected)
+            # A selection [b, s, t] per layer is passed on, never kept past the forward.
+            aux.append(outputs._replace(selected=None))
+        self.last_routing, self.last_aux = routing, aux
         self.router_replay.keep(routing)
         return self.norm(h, self.kernels)
 

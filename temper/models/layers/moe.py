@@ -32,7 +32,12 @@ from temper.models.layers.experts import (
 )
 from temper.models.layers.init import init_linear
 from temper.models.layers.mlp import FeedForward
-from temper.models.layers.routers import GroupLimitedRouter, GroupLimitedRouting, TopKRouter
+from temper.models.layers.routers import (
+    GroupLimitedRouter,
+    GroupLimitedRouting,
+    HashRouter,
+    TopKRouter,
+)
 from temper.utils.compat import functional_all_reduce
 
 
@@ -63,7 +68,8 @@ class MoE(nn.Module):
     routed output (DeepSeek V3's shared experts); ``shared_gate`` scales it per token by
     ``sigmoid(shared_gate(x))`` first (Qwen3-Next, Qwen3.5-MoE). ``router`` and ``experts``
     replace the built-in ones (gpt-oss's, ``temper.models.layers.clamped_moe``), with the same
-    call contracts (a router takes the ``experts`` to replay, see ``TopKRouter``).
+    call contracts (a router takes the ``experts`` to replay, see ``TopKRouter``; a
+    ``HashRouter`` also the tokens' ids, from ``ctx.token_ids``).
 
     Router replay (``temper.models.layers.route_replay``) comes in through the forward's
     context: ``ctx.route`` imposes the experts, ``ctx.record_routes`` returns them.
@@ -96,6 +102,8 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self._dispatcher: ExpertDispatcher = run_local
+        self.hashed = isinstance(self.router, HashRouter)
+        """The router chooses by token id (``ForwardContext.token_ids``), not by hidden state."""
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.router.init_weights(std)
@@ -119,7 +127,10 @@ class MoE(nn.Module):
         tokens of each row). ``ctx.route`` [b, s, top_k] replaces the router's choice."""
         valid_len = None if ctx is None else ctx.valid_len
         tokens = x.reshape(-1, x.shape[-1])
-        probs, weights, experts = self.router(tokens, _replayed(x, ctx))
+        if self.hashed:
+            probs, weights, experts = self.router(tokens, _replayed(x, ctx), _token_ids(x, ctx))
+        else:
+            probs, weights, experts = self.router(tokens, _replayed(x, ctx))
         impl = None if ctx is None else ctx.kernels.moe_permute
         rows, order, counts = permute(tokens, experts, self.n_experts, impl)
         run = self.experts if ctx is None else partial(self.experts, kernels=ctx.kernels)
@@ -158,6 +169,17 @@ def _replayed(x: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor | Non
             f"forward has {list(x.shape[:2])}"
         )
     return route.reshape(-1, route.shape[-1]).long()
+
+
+def _token_ids(x: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
+    """The context's ``token_ids`` as [tokens] for a hash router; ValueError without them."""
+    ids = None if ctx is None else ctx.token_ids
+    if ids is None or ids.shape != x.shape[:2]:
+        raise ValueError(
+            "a hash-routed MoE layer needs its forward's token ids for [b, s] = "
+            f"{list(x.shape[:2])} in ForwardContext.token_ids"
+        )
+    return ids.flatten()
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:

@@ -23,9 +23,8 @@ from torch import nn
 from temper.data.batch import IGNORE_INDEX
 from temper.kernels.cross_entropy import linear_log_probs
 from temper.models.layers.context import ForwardContext
-from temper.models.layers.decoder import Block
+from temper.models.layers.decoder import Block, BlockAux
 from temper.models.layers.init import init_linear
-from temper.models.layers.moe import RoutingStats
 from temper.models.layers.norm import RMSNorm
 
 
@@ -51,10 +50,10 @@ class MultiTokenPredictor(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, RoutingStats | None]:
+    ) -> tuple[torch.Tensor, BlockAux]:
         """hidden [b, s, dim] and the next tokens' embeddings [b, s, dim] -> this depth's
         hidden state [b, s, dim] (before ``norm``; the next depth's input) and its block's
-        routing statistics (``Block``'s)."""
+        auxiliary outputs (``Block``'s)."""
         normed = (self.enorm(embedded, ctx.kernels), self.hnorm(hidden, ctx.kernels))
         x = self.eh_proj(torch.cat(normed, dim=-1))
         return self.block(x, ctx)

@@ -154,10 +154,8 @@ class HashRouter(nn.Module):
     """DeepSeek V4's hash routing: token id t goes to the experts ``tid2eid[t]`` [top_k], a
     fixed table (loaded from the checkpoint, random distinct experts at init), weighted by its
     learned affinities to them as ``GroupLimitedRouter`` weighs its choice (normalized, times
-    ``scaling_factor``). The gate trains; the choice does not.
-
-    The token ids of the current forward are ``token_ids`` [b, s], set by the model before its
-    layers run (the MoE layer sees hidden states only).
+    ``scaling_factor``). The gate trains; the choice does not. The MoE layer passes the
+    tokens' ids from its forward's context (``ForwardContext.token_ids``).
     """
 
     def __init__(
@@ -174,7 +172,6 @@ class HashRouter(nn.Module):
         self.score = SCORES[scoring]
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.int64))
-        self.token_ids: torch.Tensor | None = None
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
@@ -184,16 +181,14 @@ class HashRouter(nn.Module):
         self.tid2eid.copy_(noise.argsort(dim=-1)[:, :top_k])
 
     def forward(
-        self, x: torch.Tensor, experts: torch.Tensor | None = None
+        self, x: torch.Tensor, experts: torch.Tensor | None, token_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [n, dim] -> probabilities [n, E] (fp32 affinities normalized over experts),
-        weights [n, k] (x's dtype), experts [n, k]; ``experts`` (router replay) replaces the
-        table's choice."""
+        """x [n, dim] and its tokens' ids [n] -> probabilities [n, E] (fp32 affinities
+        normalized over experts), weights [n, k] (x's dtype), experts [n, k]; ``experts``
+        (router replay) replaces the table's choice."""
         scores = self.score(F.linear(x.float(), self.gate.weight.float()))
         if experts is None:
-            if self.token_ids is None or self.token_ids.numel() != x.shape[0]:
-                raise RuntimeError("HashRouter.token_ids must hold the forward's token ids")
-            experts = self.tid2eid[self.token_ids.flatten()]
+            experts = self.tid2eid[token_ids]
         weights = chosen_weights(scores, experts, True, self.scaling_factor)
         probs = scores / scores.sum(dim=-1, keepdim=True)
         return probs, weights.to(x.dtype), experts

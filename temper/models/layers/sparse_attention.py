@@ -31,7 +31,7 @@ them all (the warm-up, with the rest of the model frozen by the family).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -151,13 +151,16 @@ def indexer_kl(
     return (torch.xlogy(target, target) - target * log_q).sum(-1)
 
 
-class SharedSelection:
-    """The keys each query chose in the latest layer with an indexer, for the layers after it
-    that have none and reuse that choice (GLM-5's ``indexer_types`` ``"shared"``). A plain
-    object the layers hold in common, not a module: no weights, nothing saved."""
+class IndexerOutputs(NamedTuple):
+    """What a ``SparseMLA`` forward returns beside its output."""
 
-    def __init__(self) -> None:
-        self.chosen: torch.Tensor | None = None
+    kl: torch.Tensor | None
+    """[] the indexer's KL term; None unless it trains in this forward (``indexer_training``
+    on, a training-mode forward with autograd, no cache) and for a layer without an indexer."""
+    selected: torch.Tensor
+    """[b, s, t] True at the keys each query attended to (every query of the whole sequence
+    under sequence parallelism): what the layers after it without an indexer reuse (GLM-5's
+    ``indexer_types`` ``"shared"``, through ``ForwardContext.reused_selection``)."""
 
 
 class SparseMLA(MLA):
@@ -165,12 +168,14 @@ class SparseMLA(MLA):
 
     The MLA projections and rotary are the parent's; the indexer reads its query latent, so
     ``q_lora_rank`` is required. The context's ``backend`` is ignored: the attention runs as
-    ``kernels.sparse_attention`` says (the mask on sdpa, or the Triton kernel). With
-    ``indexer_training`` other than ``off``, a training-mode forward leaves its
-    ``indexer_kl`` (module docstring).
+    ``kernels.sparse_attention`` says (the mask on sdpa, or the Triton kernel). ``forward``
+    returns the indexer's KL term (module docstring) and the keys chosen beside its output
+    (``IndexerOutputs``): outputs, not state, so the block passes them out (``BlockAux``), a
+    recomputation overwrites nothing and torch.compile traces no side effect.
 
-    ``selection``: where the layer leaves its choice for the layers after it, or, with
-    ``own_indexer`` False (no indexer), where it takes the choice of the layer before.
+    ``own_indexer`` False: no indexer; the layer attends to the keys the latest layer with one
+    chose (``ForwardContext.reused_selection``, which the decoder sets from that block's
+    outputs).
     """
 
     def __init__(
@@ -191,7 +196,6 @@ class SparseMLA(MLA):
         rope_scale: float = 1.0,
         rope_interleaved: bool = True,
         indexer_training: IndexerTraining = "off",
-        selection: SharedSelection | None = None,
         own_indexer: bool = True,
     ) -> None:
         super().__init__(
@@ -212,11 +216,6 @@ class SparseMLA(MLA):
             )
         self.index_topk = index_topk
         self.indexer_training = indexer_training
-        self.indexer_kl: torch.Tensor | None = None
-        """The latest training forward's KL term (None when the indexer does not train)."""
-        if not own_indexer and selection is None:
-            raise ValueError("a layer without its own indexer needs the selection it reuses")
-        self.selection = selection
         self.indexer = (
             LightningIndexer(
                 dim,
@@ -235,24 +234,21 @@ class SparseMLA(MLA):
         if self.indexer is not None:
             self.indexer.init_weights(std)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, IndexerOutputs]:
         """As ``MLA.forward``, each query restricted to its selected keys (to every visible
-        key in ``dense_warmup``)."""
+        key in ``dense_warmup``); and its ``IndexerOutputs``."""
         q, k, v, q_latent = self.project(x, ctx.cos, ctx.sin, ctx.kernels)
         assert q_latent is not None  # q_lora_rank is required in __init__'s signature
         if self.indexer is None:
-            assert self.selection is not None  # __init__ requires it
-            chosen = self.selection.chosen
+            chosen = ctx.reused_selection
             whole = x.shape[1] if ctx.shard is None else ctx.shard.seq_len
             if chosen is None or chosen.shape[1] != whole:
                 raise RuntimeError("a shared DSA layer runs after the layer it reuses")
-            self.indexer_kl = None
+            kl = None
         else:
-            chosen = self._choose(x, q_latent, q, k, ctx, self.indexer)
-            if self.selection is not None:
-                self.selection.chosen = chosen
+            chosen, kl = self._choose(x, q_latent, q, k, ctx, self.indexer)
         out = self.sequence_core(self, q, k, v, dataclasses.replace(ctx, selected=chosen))
-        return self.wo(out.flatten(2))
+        return self.wo(out.flatten(2)), IndexerOutputs(kl, chosen)
 
     def mix_heads(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
@@ -275,8 +271,9 @@ class SparseMLA(MLA):
         k: torch.Tensor,
         ctx: ForwardContext,
         indexer: LightningIndexer,
-    ) -> torch.Tensor:
-        """[b, s, t] True at the keys each query attends to; sets ``indexer_kl``.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[b, s, t] True at the keys each query attends to, and the KL term (None unless
+        the indexer trains).
 
         Under sequence parallelism each rank scores its slice's queries against the whole
         sequence's indexer keys (gathered) and the rows of every rank are joined: the choice
@@ -309,17 +306,17 @@ class SparseMLA(MLA):
             chosen = visible[..., :real]
         else:
             chosen = select_top_k(scores.detach(), visible[..., :real], self.index_topk)
-        self.indexer_kl = None
+        mean_kl = None
         if trains:
             every_k = k if group is None else gather_sequence(k.detach(), group)
             n = x.shape[1] if shard is None else shard.valid_len
             kl = indexer_kl(
                 q[:, :n], every_k[:, :real], scores[:, :n], chosen[:, :n], self.softmax_scale
             )
-            self.indexer_kl = kl.mean() if group is None else _whole_sequence_mean(kl, shard)
+            mean_kl = kl.mean() if group is None else _whole_sequence_mean(kl, shard)
         # A padding query keeps the padding keys it sees (itself at least), as attention needs.
         chosen = torch.cat([chosen, visible[..., real:]], dim=-1)
-        return chosen if group is None else gather_sequence(chosen, group)
+        return (chosen if group is None else gather_sequence(chosen, group)), mean_kl
 
     @staticmethod
     def _visible(
