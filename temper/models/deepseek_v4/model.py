@@ -18,13 +18,12 @@ from torch import nn
 
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import DocumentMask
-from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
 from temper.models.deepseek_v4.mtp import DeepseekV4MTP, mtp_block_args, predict_ahead, v4_mtp_loss
 from temper.models.layers.compressed_attention import CompressedAttention, CompressedContext
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows
 from temper.models.layers.context import ForwardContext
-from temper.models.layers.decoder import INIT_STD, BlockAux
+from temper.models.layers.decoder import INIT_STD, BlockAux, LanguageModel
 from temper.models.layers.experts import GroupedExperts, limited_swiglu
 from temper.models.layers.hyper_connections import HyperConnection, HyperHead, residual
 from temper.models.layers.init import depth_scaled_std, init_linear
@@ -166,13 +165,13 @@ def _moe(args: DeepseekV4Args, layer_id: int) -> MoE:
     )
 
 
-class DeepseekV4Transformer(nn.Module):
-    """DeepSeek V4 causal LM: ``forward`` gives logits, ``hidden_states`` the head's input."""
+class DeepseekV4Transformer(LanguageModel):
+    """DeepSeek V4 causal LM: ``forward`` gives logits, ``hidden_states`` the head's input
+    (``LanguageModel``'s, on whole rows, packed or not, sequence-parallel slices, or decoding
+    with a growing ``KVCache``)."""
 
     attn_backend = "auto"
     """Set by the trainer like every family's; the reference attention runs on sdpa."""
-    kernels: Kernels = REFERENCE
-    """The fused ops' implementations, as the shared decoder's (``use_kernels``)."""
 
     def __init__(self, args: DeepseekV4Args) -> None:
         super().__init__()
@@ -199,10 +198,6 @@ class DeepseekV4Transformer(nn.Module):
         """Router replay's routes to impose and record flag, for each forward's MoE layers."""
         self.last_routing: list[RoutingStats] = []
         """The routing statistics of the latest forward, one per layer."""
-
-    def use_kernels(self, kernels: Kernels) -> None:
-        """Run the fused ops as ``kernels`` says from now on (the shared decoder's contract)."""
-        self.kernels = kernels
 
     def _inv_freqs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The sliding layers' rotary (plain) and the compressed layers' (``rope_scaling``);
@@ -233,22 +228,6 @@ class DeepseekV4Transformer(nn.Module):
         for depth in self.mtp:
             depth.init_weights(INIT_STD, out_std)
 
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        docs: DocumentMask | None = None,
-        cache: KVCache | None = None,
-        shard: SequenceShard | None = None,
-    ) -> torch.Tensor:
-        """Final-norm output [b, s, dim] of whole rows of token ids [b, s] at ``position_ids``
-        (default 0..s-1); ``docs`` (from the full batch's ``position_ids``) keeps packed
-        documents apart, without it each row is one causal sequence. With a KV ``cache``
-        (decoding) the tokens follow those of earlier calls. With a sequence-parallel
-        ``shard`` the ids and positions are this rank's slice (``docs`` still the whole
-        sequence's) and so is the output."""
-        return self._hidden_states(input_ids, position_ids, docs, cache, shard)
-
     def _hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -257,7 +236,7 @@ class DeepseekV4Transformer(nn.Module):
         cache: KVCache | None,
         shard: SequenceShard | None,
     ) -> torch.Tensor:
-        """The body ``forward`` calls too (FSDP2 wraps the public method in its root hooks)."""
+        """``LanguageModel``'s body of ``hidden_states`` and ``forward``."""
         if isinstance(cache, StaticKVCache) or (
             cache is not None and (docs is not None or shard is not None)
         ):
@@ -327,19 +306,6 @@ class DeepseekV4Transformer(nn.Module):
                 self.mtp, streams, self.tok_embeddings, input_ids, depth_ctx, self.last_routing
             )
         return self.norm(self.hc_head(streams), self.kernels)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        docs: DocumentMask | None = None,
-        cache: KVCache | None = None,
-        shard: SequenceShard | None = None,
-    ) -> torch.Tensor:
-        """Logits [b, s, vocab] (``hidden_states``' inputs); with a KV ``cache``, only the last
-        position's [b, 1, vocab], as the shared decoder's."""
-        h = self._hidden_states(input_ids, position_ids, docs, cache, shard)
-        return self.output(h if cache is None else h[:, -1:])
 
     def mtp_loss(
         self, labels: torch.Tensor, position_ids: torch.Tensor | None, chunk_tokens: int

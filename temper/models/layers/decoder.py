@@ -16,7 +16,8 @@ mixture of experts, that layer's ``RoutingStats``, and if its attention is DeepS
 attention, the indexer's KL term, in one ``BlockAux``; the decoder collects them at its top
 level, outside any checkpointed or compiled block, into ``last_aux`` and ``last_routing``. The
 kernel choices are the model's own (``use_kernels``, which an Engine calls with its run's): a
-model nobody configured runs every op's reference.
+model nobody configured runs every op's reference. ``LanguageModel`` is what every family's
+model offers its callers (``forward``, ``hidden_states``, ``use_kernels``), DeepSeek V4's too.
 """
 
 from __future__ import annotations
@@ -94,8 +95,70 @@ class Block(nn.Module):
         return h + out, BlockAux(stats, kl, selected)
 
 
-class Decoder(nn.Module):
-    """Causal LM: ``forward`` gives logits, ``hidden_states`` the input to the head."""
+class LanguageModel(nn.Module):
+    """What every family's causal LM offers its callers (objectives, the Engine, generation):
+    ``forward`` gives logits, ``hidden_states`` the head's input, ``use_kernels`` sets the
+    fused ops' implementations. A family writes ``_hidden_states`` and has an ``output``
+    head."""
+
+    output: nn.Linear
+    kernels: Kernels = REFERENCE
+    """The fused ops' implementations each forward's context carries (``use_kernels``)."""
+    _hidden_states: Callable[..., torch.Tensor]
+    """The family's body of ``hidden_states`` and ``forward``, with their arguments: FSDP2
+    wraps the public method in its root hooks (the fused loss calls it alone), and forward
+    already runs inside them; calling the wrapped method from forward would enter them
+    twice."""
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run the fused ops as ``kernels`` says from now on: an Engine's choices, resolved for
+        its device (``temper.kernels.dispatch.resolve_kernels``). The model's own, so two
+        models in one process may differ; never part of the state dict."""
+        self.kernels = kernels
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        docs: DocumentMask | None = None,
+        cache: KVCache | None = None,
+        shard: SequenceShard | None = None,
+        **inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Final-norm output [b, s, dim], so a fused loss can apply ``output`` itself.
+
+        ``docs`` (from the full batch's ``position_ids``) keeps packed documents apart;
+        without it each row is one causal sequence. With a KV ``cache`` (decoding) the tokens
+        follow those of earlier calls, whose keys it holds (the shared decoder's attention
+        then runs on sdpa with the cache's mask, whatever ``attn_backend`` is). ``shard`` says
+        that the tokens (and positions) are a sequence-parallel slice (``docs`` then describes
+        the whole sequence), and so is the output. ``inputs``: a family's further inputs (a
+        vision-language model's images, which ``Decoder.embed_inputs`` reads).
+        """
+        return self._hidden_states(input_ids, position_ids, docs, cache, shard, **inputs)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        docs: DocumentMask | None = None,
+        cache: KVCache | None = None,
+        shard: SequenceShard | None = None,
+        **inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Logits [b, s, vocab] for token ids [b, s]; positions default to 0..s-1; ``inputs``
+        as ``hidden_states``.
+
+        With a KV ``cache`` (decoding, see ``hidden_states``), only the last position's logits
+        [b, 1, vocab]: nothing else is sampled from, and a long prompt's would be huge.
+        """
+        h = self._hidden_states(input_ids, position_ids, docs, cache, shard, **inputs)
+        return self.output(h if cache is None else h[:, -1:])
+
+
+class Decoder(LanguageModel):
+    """The shared decoder (module docstring): ``forward`` gives logits, ``hidden_states`` the
+    input to the head."""
 
     qk_norm: bool = False
     """Per-head RMSNorm of q and k before rotary (Qwen3)."""
@@ -107,8 +170,6 @@ class Decoder(nn.Module):
     """Layers add a learned sink logit per head (gpt-oss): on CUDA, ``auto`` picks flex."""
     norm_cls: Callable[[int, float], nn.Module] = RMSNorm
     """The block and final norms: ``norm_cls(dim, eps)``."""
-    kernels: Kernels = REFERENCE
-    """The fused ops' implementations each forward's context carries (``use_kernels``)."""
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
@@ -131,12 +192,6 @@ class Decoder(nn.Module):
         self.last_aux: list[BlockAux] = []
         """Each block's auxiliary outputs in the latest forward, in layer order (without the
         sparse-attention selections, which only the next blocks read)."""
-
-    def use_kernels(self, kernels: Kernels) -> None:
-        """Run the fused ops as ``kernels`` says from now on: an Engine's choices, resolved for
-        its device (``temper.kernels.dispatch.resolve_kernels``). The model's own, so two
-        models in one process may differ; never part of the state dict."""
-        self.kernels = kernels
 
     def rope_inv_freq(self) -> torch.Tensor:
         """Rotary inverse frequencies over the whole head unless a family rotates fewer dims."""
@@ -182,27 +237,6 @@ class Decoder(nn.Module):
         if not args.tie_embeddings:
             nn.init.trunc_normal_(self.output.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
 
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        docs: DocumentMask | None = None,
-        cache: KVCache | None = None,
-        shard: SequenceShard | None = None,
-        **inputs: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Final-norm output [b, s, dim], so a fused loss can apply ``output`` itself.
-
-        ``docs`` (from the full batch's ``position_ids``) keeps packed documents apart;
-        without it each row is one causal sequence. With a KV ``cache`` (decoding) the tokens
-        follow those of earlier calls, whose keys it holds; attention then runs on sdpa with
-        the cache's mask, whatever ``attn_backend`` is. ``shard`` says that the tokens are a
-        sequence-parallel slice (``docs`` then describes the whole sequence). ``inputs``: a
-        family's further inputs, which ``embed_inputs`` reads (a vision-language model's
-        images).
-        """
-        return self._hidden_states(input_ids, position_ids, docs, cache, shard, **inputs)
-
     def embed_inputs(
         self,
         input_ids: torch.Tensor,
@@ -224,12 +258,8 @@ class Decoder(nn.Module):
         shard: SequenceShard | None,
         **inputs: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``hidden_states``'s body, which ``forward`` calls too: FSDP2 wraps the public method
-        in its root hooks (the fused loss calls it alone), and forward already runs inside
-        them; calling the wrapped method from forward would enter them twice.
-
-        Where ``embed_inputs`` gives multimodal rotary positions, ``position_ids`` still find
-        the packed documents."""
+        """The shared body of ``hidden_states`` and ``forward``. Where ``embed_inputs`` gives
+        multimodal rotary positions, ``position_ids`` still find the packed documents."""
         h, rope_position_ids = self.embed_inputs(input_ids, position_ids, shard, **inputs)
         if position_ids is None:
             start = 0 if cache is None else cache.length
@@ -283,24 +313,6 @@ class Decoder(nn.Module):
         self.last_routing, self.last_aux = routing, aux
         self.router_replay.keep(routing)
         return self.norm(h, self.kernels)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        docs: DocumentMask | None = None,
-        cache: KVCache | None = None,
-        shard: SequenceShard | None = None,
-        **inputs: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Logits [b, s, vocab] for token ids [b, s]; positions default to 0..s-1; ``inputs``
-        as ``hidden_states``.
-
-        With a KV ``cache`` (decoding, see ``hidden_states``), only the last position's logits
-        [b, 1, vocab]: nothing else is sampled from, and a long prompt's would be huge.
-        """
-        h = self._hidden_states(input_ids, position_ids, docs, cache, shard, **inputs)
-        return self.output(h if cache is None else h[:, -1:])
 
     def active_params(self, trainable: bool | None = None) -> float:
         """Weights a token is multiplied by: all but the input embedding, a lookup (a tied
