@@ -18,15 +18,11 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return _Rope.apply(x, cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class _Rope(torch.autograd.Function):
-    """Autograd through the formula keeps x and the rotated copy of x for every q and k; the
-    rotation is linear, so its backward is the inverse rotation of the gradient and needs
-    neither."""
+    """Autograd through ``x * cos + rotate_half(x) * sin`` keeps x and the rotated copy of x
+    for every q and k; the rotation is linear, so its backward is the inverse rotation of the
+    gradient and needs neither. Both directions write the halves in place, without the
+    concatenated copy: each element is the same two products and one sum, so the same bits."""
 
     @staticmethod
     def forward(
@@ -36,15 +32,26 @@ class _Rope(torch.autograd.Function):
         sin: torch.Tensor,
     ) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return x * cos + _rotate_half(x) * sin
+        x1, x2 = x.chunk(2, dim=-1)
+        sin1, sin2 = sin.chunk(2, dim=-1)
+        out = x * cos
+        out1, out2 = out.chunk(2, dim=-1)
+        out1.sub_(x2 * sin1)  # rotate_half(x) = (-x2, x1)
+        out2.add_(x1 * sin2)
+        return out
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor, None, None]:
         cos, sin = ctx.saved_tensors
-        # rotate_half's transpose is -rotate_half: (g1, g2) -> (g2, -g1).
-        return grad * cos - _rotate_half(grad * sin), None, None
+        # rotate_half's transpose maps (g1, g2) to (g2, -g1).
+        rotated1, rotated2 = (grad * sin).chunk(2, dim=-1)
+        grad_x = grad * cos
+        grad1, grad2 = grad_x.chunk(2, dim=-1)
+        grad1.add_(rotated2)
+        grad2.sub_(rotated1)
+        return grad_x, None, None
 
 
 def apply_rope(

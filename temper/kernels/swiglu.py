@@ -33,7 +33,7 @@ class _SwiGLU(torch.autograd.Function):
         silu = gate * sig
         grad_up = grad * silu
         # d silu / d gate = sig * (1 + gate * (1 - sig)) = sig + silu * (1 - sig).
-        grad_gate = grad * up * (sig + silu * (1 - sig))
+        grad_gate = (1 - sig).mul_(silu).add_(sig).mul_(up).mul_(grad)
         return grad_gate, grad_up
 
 

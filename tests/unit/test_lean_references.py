@@ -60,7 +60,8 @@ def test_lean_reference_matches_autograd_formula(case: tuple) -> None:
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-12, atol=1e-12)
     for got, want in zip(grads[0], grads[1], strict=True):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    # bf16 forward: the same operations in the same order, so the same bits.
+    # fp32 and bf16 forwards: the same operations in the same order, so the same bits.
+    assert torch.equal(lean(*args), naive(*args))
     bf16 = [a.bfloat16() if isinstance(a, torch.Tensor) and a.dim() > 1 else a for a in args]
     if lean is rms_norm_reference:
         bf16[1] = args[1].bfloat16()
