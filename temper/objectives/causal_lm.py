@@ -187,7 +187,11 @@ class _HeadRows:
     @classmethod
     def of(cls, labels: torch.Tensor) -> _HeadRows:
         """Taken before the model's forward, so that the host sync a data-dependent count
-        needs (on a GPU) waits for the work queued so far and never for this forward."""
+        needs (on a GPU) waits for the work queued so far and never for this forward. A dry
+        run's meta labels hold no values, so it plans the head over every row (an upper
+        bound)."""
+        if labels.is_meta:
+            return cls(labels.dim(), None)
         positions = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
         return cls(labels.dim(), None if positions.numel() == labels.numel() else positions)
 
