@@ -68,7 +68,7 @@ def test_sparse_mla_on_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> Non
     for impl in ("reference", "triton"):
         picked["sparse_attention"] = impl
         layer.zero_grad()
-        out = layer(x, ctx)
+        out, _ = layer(x, ctx)  # (output, IndexerOutputs)
         out.square().sum().backward()
         results.append([out, *(p.grad.clone() for p in layer.parameters() if p.grad is not None)])
     for got, expected in zip(results[1], results[0], strict=True):
