@@ -28,9 +28,8 @@ class DeepseekV32Transformer(DeepseekV3Transformer):
         averaged over layers, before
         ``indexer_loss_weight``; None when it computed none (``indexer_training`` off, an
         eval-mode or no-grad forward, decoding)."""
-        terms = [aux.indexer_kl for i, aux in enumerate(self.last_aux) if self.args.has_indexer(i)]
-        kls = [t for t in terms if t is not None]
-        return torch.stack(kls).mean() if kls and len(kls) == len(terms) else None
+        kls = [aux.indexer_kl for aux in self.last_aux]  # the blocks that computed one
+        return torch.stack(kls).mean() if kls else None
 
     def attention(self, layer_id: int) -> SparseMLA:
         """Layer ``layer_id``'s attention; without an indexer (GLM-5's shared layers) it

@@ -308,8 +308,11 @@ class Decoder(LanguageModel):
             keep_routing(routing, layer.feed_forward, outputs.routing)
             if outputs.selected is not None:
                 ctx = dataclasses.replace(ctx, reused_selection=outputs.selected)
-            # A selection [b, s, t] per layer is passed on, never kept past the forward.
-            aux.append(outputs._replace(selected=None))
+            # A selection [b, s, t] per layer is passed on, never kept past the forward; only
+            # blocks with a KL term are kept (nothing new is built in a decoding step, which
+            # torch 2.11's Dynamo refuses to keep on the module).
+            if outputs.indexer_kl is not None:
+                aux.append(outputs._replace(selected=None))
         self.last_routing, self.last_aux = routing, aux
         self.router_replay.keep(routing)
         return self.norm(h, self.kernels)
