@@ -24,11 +24,11 @@ class DeepseekV32Transformer(DeepseekV3Transformer):
                 param.requires_grad_(".indexer." in name)
 
     def indexer_loss(self) -> torch.Tensor | None:
-        """The indexers' KL term of the latest forward (its blocks' outputs, ``last_aux``),
+        """The indexers' KL term of the latest forward (its blocks' outputs, ``last_indexer_kl``),
         averaged over layers, before
         ``indexer_loss_weight``; None when it computed none (``indexer_training`` off, an
         eval-mode or no-grad forward, decoding)."""
-        kls = [aux.indexer_kl for aux in self.last_aux]  # the blocks that computed one
+        kls = self.last_indexer_kl
         return torch.stack(kls).mean() if kls else None
 
     def attention(self, layer_id: int) -> SparseMLA:

@@ -14,10 +14,11 @@ KV cache, the kernel choices, router replay's routes) and hands every block its 
 blocks call their sublayers ``(x, ctx)``. A block returns its output and, if its MLP is a
 mixture of experts, that layer's ``RoutingStats``, and if its attention is DeepSeek sparse
 attention, the indexer's KL term, in one ``BlockAux``; the decoder collects them at its top
-level, outside any checkpointed or compiled block, into ``last_aux`` and ``last_routing``. The
-kernel choices are the model's own (``use_kernels``, which an Engine calls with its run's): a
-model nobody configured runs every op's reference. ``LanguageModel`` is what every family's
-model offers its callers (``forward``, ``hidden_states``, ``use_kernels``), DeepSeek V4's too.
+level, outside any checkpointed or compiled block, into ``last_routing`` and
+``last_indexer_kl``. The kernel choices are the model's own (``use_kernels``, which an Engine
+calls with its run's): a model nobody configured runs every op's reference. ``LanguageModel``
+is what every family's model offers its callers (``forward``, ``hidden_states``,
+``use_kernels``), DeepSeek V4's too.
 """
 
 from __future__ import annotations
@@ -189,9 +190,9 @@ class Decoder(LanguageModel):
         """Router replay's routes to impose and record flag, put in each forward's context."""
         self.last_routing: list[RoutingStats] = []
         """The routing statistics of the latest forward, one per MoE layer that ran."""
-        self.last_aux: list[BlockAux] = []
-        """Each block's auxiliary outputs in the latest forward, in layer order (without the
-        sparse-attention selections, which only the next blocks read)."""
+        self.last_indexer_kl: list[torch.Tensor] = []
+        """The sparse-attention indexers' KL terms of the latest forward, one per block that
+        computed one, in layer order."""
 
     def rope_inv_freq(self) -> torch.Tensor:
         """Rotary inverse frequencies over the whole head unless a family rotates fewer dims."""
@@ -302,18 +303,16 @@ class Decoder(LanguageModel):
                 **self.router_replay.fields(self),
             )
         routing: list[RoutingStats] = []
-        aux: list[BlockAux] = []
+        indexer_kl: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             h, outputs = layer(h, ctx.layer(i))
             keep_routing(routing, layer.feed_forward, outputs.routing)
             if outputs.selected is not None:
                 ctx = dataclasses.replace(ctx, reused_selection=outputs.selected)
-            # A selection [b, s, t] per layer is passed on, never kept past the forward; only
-            # blocks with a KL term are kept (nothing new is built in a decoding step, which
-            # torch 2.11's Dynamo refuses to keep on the module).
+            # A selection [b, s, t] is passed on to the next blocks, never kept past the forward.
             if outputs.indexer_kl is not None:
-                aux.append(outputs._replace(selected=None))
-        self.last_routing, self.last_aux = routing, aux
+                indexer_kl.append(outputs.indexer_kl)
+        self.last_routing, self.last_indexer_kl = routing, indexer_kl
         self.router_replay.keep(routing)
         return self.norm(h, self.kernels)
 
