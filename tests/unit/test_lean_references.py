@@ -1,14 +1,70 @@
-"""The lean references (RoPE's hand-written backward and in-place halves, the in-place
-cross-entropy chunk gradient) against the plain formulas they replace: float64 forward and every
-gradient, fp32 and bf16 forwards bit for bit."""
+"""The lean references against the plain formulas they replace: RMSNorm and SwiGLU (autograd's
+backward op for op, keeping less) bit for bit in every gradient; RoPE's hand-written backward and
+in-place halves in float64 and its fp32 and bf16 forwards bit for bit; the in-place cross-entropy
+chunk gradient."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from temper.kernels.cross_entropy import logits_grad_reference
+from temper.kernels.norm import rms_norm_reference
 from temper.kernels.rope import apply_rope_reference
+from temper.kernels.swiglu import swiglu_reference
+
+
+def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["alone", "residual"])
+@pytest.mark.parametrize(
+    "dtype,weight_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("shape", [(3, 130, 512), (2, 7, 100), (2, 9, 4, 24)])
+def test_rms_norm_gradients_are_the_formulas_bit_for_bit(
+    shape: tuple[int, ...], dtype: torch.dtype, weight_dtype: torch.dtype, residual: bool
+) -> None:
+    """Every gradient equal to autograd's through the formula, also where x feeds a residual
+    branch too (autograd then sums three gradients into x, and the order of those sums shows in
+    the last bit), and for per-head norms ([b, s, heads, head_dim])."""
+    results = []
+    for norm in (rms_norm_reference, naive_rms_norm):
+        g = torch.Generator().manual_seed(0)
+        leaf = torch.randn(shape, generator=g).requires_grad_()
+        weight = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(weight_dtype)
+        weight.requires_grad_()
+        x = (leaf * 1.5).to(dtype)
+        out = norm(x, weight, 1e-6)
+        if residual:
+            out = x + 0.7 * out + x.sin()
+        out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+        results.append((out.detach(), leaf.grad, weight.grad))
+    for lean, naive in zip(*results, strict=True):
+        assert torch.equal(lean, naive)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_gradients_are_the_formulas_bit_for_bit(dtype: torch.dtype) -> None:
+    results = []
+    for swiglu in (swiglu_reference, lambda gate, up: F.silu(gate) * up):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 33, 64, generator=g).requires_grad_()
+        w1, w3 = torch.randn(2, 64, 150, generator=g).div(8).to(dtype).unbind()
+        out = swiglu(x.to(dtype) @ w1, x.to(dtype) @ w3)
+        out.backward(torch.randn(out.shape, generator=g).to(dtype))
+        results.append((out.detach(), x.grad))
+    for lean, naive in zip(*results, strict=True):
+        assert torch.equal(lean, naive)
 
 
 def naive_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
