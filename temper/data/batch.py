@@ -11,9 +11,9 @@ from torch.distributed import ProcessGroup
 
 @dataclass(frozen=True)
 class SequenceShard:
-    """The decoder's input is one rank's slice of each sequence (``temper.parallel.ulysses``):
-    its tokens and positions are local, while attention, behind its all-to-alls, sees the
-    whole sequence."""
+    """The decoder's input is one rank's slice of each sequence (``temper.parallel.ulysses``,
+    ``temper.parallel.context_parallel``): its tokens and positions are local, while
+    attention, behind its all-to-alls or its ring, sees the whole sequence."""
 
     seq_len: int
     """The whole (right-padded) sequence's length: attention's masks are built at it."""
@@ -21,14 +21,19 @@ class SequenceShard:
     """Tokens of each row of the slice that are real; the rest is the padding that made the
     sequence divisible, which MoE routing statistics leave out."""
     group: ProcessGroup | None = None
-    """The SP group holding the other slices: an objective that sums over whole sequences
-    (DPO) reduces its per-slice sums over it."""
+    """The group holding the other slices (SP, CP, or CP x SP in (cp, sp) rank order): an
+    objective that sums over whole sequences (DPO) reduces its per-slice sums over it."""
     start: int = 0
-    """Where the slice starts in the whole sequence (a vision-language model slices its fused
-    embeddings there)."""
+    """Where the slice starts among the group's slices joined in rank order: in the whole
+    sequence under Ulysses, in ``columns`` under context parallelism (see
+    ``temper.models.layers.whole_sequence``)."""
     real_len: int | None = None
     """The whole sequence's real tokens, before the padding (None: all ``seq_len``): DeepSeek
     sparse attention chooses among exactly the keys one process would."""
+    columns: torch.Tensor | None = None
+    """[seq_len] the whole padded sequence's column of each token of the group's slices joined
+    in rank order: context parallelism's load-balanced layout. None: the joined slices are the
+    sequence (Ulysses' contiguous slices)."""
 
 
 Batch = dict[str, "torch.Tensor | SequenceShard"]

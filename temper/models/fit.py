@@ -39,21 +39,10 @@ def check_linear_attention_heads(n_k_heads: int, n_v_heads: int, sp: int) -> Non
         )
 
 
-def check_mtp(mtp_depth: int, degree: str = "sp") -> None:
-    """Multi-token prediction reads each position's next tokens, which at a slice's end sit
-    on another rank (of SP or CP, ``degree``): refused rather than trained on wrong inputs."""
-    if mtp_depth:
-        raise ConfigError(
-            f"parallelism.{degree} > 1 with model.mtp_depth > 0 is not supported: a draft "
-            f"depth reads the next tokens, which sit on another {degree.upper()} rank at a "
-            "slice's end"
-        )
-
-
 def check_decoder_layout(args: DecoderArgs, parallelism: Parallelism) -> None:
     """The rule of the decoders built on ``models/layers``: routed experts (``MoEArgs``'
     ``n_experts``; none for a dense model) split evenly over ``ep``; attention heads over
-    ``sp``; no multi-token prediction under ``sp`` or ``cp``."""
+    ``sp``."""
     ep, sp = parallelism.ep, parallelism.sp
     n_experts = args.n_experts if isinstance(args, MoEArgs) else 0
     if ep > 1 and not n_experts:
@@ -63,9 +52,6 @@ def check_decoder_layout(args: DecoderArgs, parallelism: Parallelism) -> None:
     if sp > 1:
         # MLA (DeepSeek V3) has no grouped keys and values: its n_kv_heads is n_heads.
         check_heads(args.n_heads, args.n_kv_heads, sp)
-        check_mtp(getattr(args, "mtp_depth", 0))
-    if parallelism.cp > 1:
-        check_mtp(getattr(args, "mtp_depth", 0), "cp")
 
 
 def check_hybrid_layout(args: Any, parallelism: Parallelism) -> None:

@@ -73,8 +73,9 @@ def shard_batch(
     0..s-1), [b] fields are kept whole. For packed rows ``DOCUMENT_POSITIONS`` holds the whole
     padded sequence's positions, from which the document mask of the whole sequence is built
     (ring attention reads it by global column); continuous rows need none (causal order by
-    global column hides the trailing padding). ``SEQUENCE_SHARD`` holds the padded length and
-    how many of the rank's tokens are real.
+    global column hides the trailing padding). ``SEQUENCE_SHARD`` holds the padded length, how
+    many of the rank's tokens are real and every rank's columns in the group's order
+    (``SequenceShard.columns``).
     """
     if "input_ids" not in batch:
         return {
@@ -109,14 +110,21 @@ def shard_batch(
     for key, t in batch.items():
         if key not in padded:
             padded[key] = pad_tokens(t, pad) if t.shape[:2] == (b, s) else t
-    columns = load_balanced_indices(s + pad, rank, size).chunk(parts)[part]
+    # Every rank's columns in the group's order (CP rank, then SP slice): ``SequenceShard``'s
+    # ``columns``, by which the model joins the ranks' tokens into the whole sequence.
+    every = torch.cat([load_balanced_indices(s + pad, r, size) for r in range(size)])
+    every = every.to(input_ids.device)
+    local = (s + pad) // (size * parts)
+    start = (rank * parts + part) * local
+    columns = every[start : start + local]
     # Padding is a suffix of the sequence and the rank's second chunk comes later than its
     # first, so the rank's real tokens come first in its local order (and in each slice).
     valid = int((columns < s).sum())
-    columns = columns.to(input_ids.device)
     shard = {key: t[:, columns] if t.shape[:2] == (b, s + pad) else t for key, t in padded.items()}
     shard[DOCUMENT_POSITIONS] = padded["position_ids"] if packed is not None else positions[:0]
-    shard[SEQUENCE_SHARD] = SequenceShard(s + pad, valid, group=group)
+    shard[SEQUENCE_SHARD] = SequenceShard(
+        s + pad, valid, group=group, start=start, real_len=s, columns=every
+    )
     return shard
 
 
@@ -189,6 +197,14 @@ class ContextParallel:
         if sp is not None and rows is None:
             raise ValueError("ContextParallel with an SP group needs the CP x SP group (rows)")
         self.rows = group if sp is None else rows
+        # The shard's columns list the ranks' tokens in the rows group's order, taken to be
+        # (cp, sp) row-major, as the flattened cp_sp mesh is.
+        if dist.get_rank(self.rows) != self.rank * self.sp_size + self.sp_rank:
+            raise ValueError(
+                f"ContextParallel: rank {dist.get_rank(self.rows)} of the CP x SP group is CP "
+                f"rank {self.rank} and SP rank {self.sp_rank}; the group must be in (cp, sp) "
+                "row-major order"
+            )
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's tokens of ``batch`` (see ``shard_batch``)."""

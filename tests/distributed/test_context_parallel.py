@@ -34,7 +34,6 @@ from temper.data.batch import DOCUMENT_POSITIONS, SEQUENCE_SHARD
 from temper.kernels.attention import DocumentMask, attention
 from temper.parallel.context_parallel import shard_batch, unshard
 from temper.parallel.ulysses import PAD_POSITION
-from temper.recipes.deepseek_v3 import deepseek_v3_debug_mtp
 from temper.recipes.deepseek_v4 import deepseek_v4_debug
 from temper.recipes.deepseek_v32 import deepseek_v32_debug
 from temper.recipes.llama3 import llama3_debug
@@ -425,8 +424,8 @@ FAMILIES = ("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5", "qwen3_5_
 """GQA with q/k norms; with MoE routing statistics over real tokens; sinks and sliding windows;
 MLA; the Gated DeltaNet hybrids, dense and MoE (their state and convolution window passed
 between the ranks). Llama 3 runs through the trainer below; DeepSeek sparse attention (V3.2,
-GLM-5), DeepSeek V4 and MTP are refused under CP by name
-(test_paths_not_built_are_refused_naming_parallelism_cp)."""
+GLM-5) and DeepSeek V4 are refused under CP by name
+(test_paths_not_built_are_refused_naming_parallelism_cp); MTP is tested in test_mtp.py."""
 
 
 @pytest.mark.slow
@@ -546,11 +545,10 @@ def _with(recipe: Callable[[], Config], **fields: object) -> Config:
 @pytest.mark.parametrize(
     ("config", "world", "message"),
     [
-        (_with(deepseek_v3_debug_mtp), 2, r"parallelism.cp > 1 with model.mtp_depth > 0"),
         (_with(deepseek_v32_debug), 2, "parallelism.cp = 2: DeepSeek sparse attention"),
         (_with(deepseek_v4_debug), 2, "parallelism.cp = 2: deepseek_v4 runs without"),
     ],
-    ids=["mtp", "dsa", "deepseek_v4"],
+    ids=["dsa", "deepseek_v4"],
 )
 def test_paths_not_built_are_refused_naming_parallelism_cp(
     config: Config, world: int, message: str

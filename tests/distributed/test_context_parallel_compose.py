@@ -57,10 +57,27 @@ def test_layout_cuts_each_cp_rank_into_sp_slices() -> None:
             assert torch.equal(piece[DOCUMENT_POSITIONS], cp_alone[r][DOCUMENT_POSITIONS])
             assert (piece["input_ids"][:, : info.valid_len] != 0).all()
             assert (piece["input_ids"][:, info.valid_len :] == 0).all()
+    # The shard's columns list every slice's tokens in the (cp, sp) group order: joined in
+    # that order and put back by them, the slices are the padded rows; each slice starts at
+    # its place in that order.
+    slices = [shard_batch(batch, r, cp, None, part, sp) for r in range(cp) for part in range(sp)]
+    joined = torch.cat([piece["input_ids"] for piece in slices], dim=1)
+    for i, piece in enumerate(slices):
+        info = piece[SEQUENCE_SHARD]
+        assert info.start == 6 * i
+        assert torch.equal(joined[:, info.columns.argsort()][:, :s], ids)
+        assert torch.equal(info.columns[info.start : info.start + 6], _columns(i // sp, i % sp))
     # Rank 1's tokens are chunks 1 and 2 (columns 6-17): all real, 6 per slice; the padding
     # (columns 21-23) is the end of rank 0's second chunk, its second slice's last 3 tokens.
     valid = [shard_batch(batch, 0, cp, None, part, sp)[SEQUENCE_SHARD].valid_len for part in (0, 1)]
     assert valid == [6, 3]
+
+
+def _columns(cp_rank: int, sp_rank: int) -> torch.Tensor:
+    """The 6 columns of 24 that CP rank ``cp_rank``'s SP slice ``sp_rank`` holds at CP 2 x SP 2
+    (CP rank r: chunks r and 3 - r of 6 columns, cut into two slices), by hand."""
+    chunks = (cp_rank, 3 - cp_rank)
+    return torch.arange(6 * chunks[sp_rank], 6 * chunks[sp_rank] + 6)
 
 
 FAMILIES = ("llama3", "qwen3_5_moe")

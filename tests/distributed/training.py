@@ -97,11 +97,13 @@ def families_against_one_process(
     families: tuple[str, ...],
     documents: tuple[int, ...],
     gather: Callable[[torch.Tensor], torch.Tensor],
+    overrides: dict[str, Any] | None = None,
 ) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
-    """On rank 0, per family: the logits, loss and rank-summed gradients of its debug model
-    wired by ``parallel`` (a context-parallel layout: ``apply``, ``shard``) on two packed rows
-    of ``documents`` (``gather``: this rank's logits -> the whole rows'), and the same
-    weights' on the whole rows in one process."""
+    """On rank 0, per family: the logits, loss, the loss's metrics and rank-summed gradients
+    of its debug model (with ``overrides`` to its args) wired by ``parallel`` (a sequence- or
+    context-parallel layout: ``apply``, ``shard``) on two packed rows of ``documents``
+    (``gather``: this rank's logits -> the whole rows'), and the same weights' on the whole
+    rows in one process."""
     import torch.distributed as dist
 
     from temper.data.batch import SEQUENCE_SHARD
@@ -119,7 +121,7 @@ def families_against_one_process(
     def run(model: torch.nn.Module, rows: dict[str, Any], split: bool) -> dict[str, Any]:
         """Loss, gradients and logits; ``split``: the rows are this rank's part."""
         model.zero_grad(set_to_none=True)
-        loss, _, _ = CausalLM().loss(model, rows)
+        loss, _, metrics = CausalLM().loss(model, rows)
         loss.backward()
         with torch.no_grad():
             args = (rows["input_ids"], rows["position_ids"], document_mask(rows))
@@ -132,12 +134,13 @@ def families_against_one_process(
         if split:
             dist.all_reduce(loss)
             logits = gather(logits)[:, :s]
-        return {"logits": logits, "loss": loss.item(), "grads": grads}
+        values = {name: float(value) for name, value in metrics.items()}
+        return {"logits": logits, "loss": loss.item(), "grads": grads, "metrics": values}
 
     results = []
     for family in families:
         torch.manual_seed(0)
-        model = build_model(family, "debug")
+        model = build_model(family, "debug", overrides=overrides)
         parallel.apply(model)
         model = materialize(model, "cpu")
         with whole_sequences(model):  # the same weights on one rank's whole rows

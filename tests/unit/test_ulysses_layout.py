@@ -8,7 +8,7 @@ import torch
 
 from temper.config import ConfigError
 from temper.data.batch import DOCUMENT_POSITIONS, IGNORE_INDEX, SEQUENCE_SHARD, SequenceShard
-from temper.models.fit import check_heads, check_mtp
+from temper.models.fit import check_heads
 from temper.objectives.causal_lm import documents
 from temper.parallel.ulysses import PAD_POSITION, shard_batch
 
@@ -72,9 +72,3 @@ def test_heads_split_or_kv_heads_replicate() -> None:
         check_heads(n_heads=8, n_kv_heads=4, sp=3)
     with pytest.raises(ConfigError, match=r"parallelism.sp \(4\) and .* KV heads \(6\)"):
         check_heads(n_heads=12, n_kv_heads=6, sp=4)
-
-
-def test_multi_token_prediction_is_refused_by_name() -> None:
-    check_mtp(0)
-    with pytest.raises(ConfigError, match=r"parallelism\.sp > 1 with model\.mtp_depth"):
-        check_mtp(1)

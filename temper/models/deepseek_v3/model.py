@@ -16,7 +16,7 @@ from temper.models.layers.mla import MLA
 from temper.models.layers.mlp import FeedForward
 from temper.models.layers.moe import MoE, keep_routing, moe_layers
 from temper.models.layers.moe_decoder import MoEDecoder
-from temper.models.layers.mtp import MTPLoss, MultiTokenPredictor, mtp_loss
+from temper.models.layers.mtp import MTPLoss, MultiTokenPredictor, mtp_loss, shifted_ids
 from temper.models.layers.rope import rope_cos_sin
 from temper.models.layers.routers import (
     GroupLimitedRouter,
@@ -50,6 +50,8 @@ class DeepseekV3Transformer(MoEDecoder):
         )
         self.mtp_hidden: list[torch.Tensor] = []
         """Each depth's normed hidden states in the latest training forward (for ``mtp_loss``)."""
+        self._mtp_shard: SequenceShard | None = None
+        """The latest forward's shard: ``mtp_loss`` takes that forward's tokens' labels."""
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -68,12 +70,13 @@ class DeepseekV3Transformer(MoEDecoder):
         cache: KVCache | None,
         shard: SequenceShard | None,
     ) -> torch.Tensor:
-        """The shared decoder's; in training mode the MTP depths also run on its output (never
-        on a sequence-parallel slice: the config refuses SP with MTP)."""
+        """The shared decoder's; in training mode the MTP depths also run on its output (on
+        this rank's tokens under sequence or context parallelism: ``shifted_ids`` finds their
+        next tokens in the whole sequence)."""
         h = super()._hidden_states(input_ids, position_ids, docs, cache, shard)
-        self.mtp_hidden = []
+        self.mtp_hidden, self._mtp_shard = [], shard
         if len(self.mtp) and cache is None and self.training:
-            self.mtp_hidden = self._predict_ahead(h, input_ids, position_ids, docs)
+            self.mtp_hidden = self._predict_ahead(h, input_ids, position_ids, docs, shard)
         return h
 
     def _predict_ahead(
@@ -82,18 +85,22 @@ class DeepseekV3Transformer(MoEDecoder):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
         docs: DocumentMask | None,
+        shard: SequenceShard | None,
     ) -> list[torch.Tensor]:
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         cos, sin = rope_cos_sin(self.inv_freq, position_ids)
-        backend, docs = prepare_documents(self.attn_backend, docs, h, h.shape[1])
-        ctx = ForwardContext(cos, sin, docs, backend, kernels=self.kernels)
-        # Rolled, the last columns hold wrapped tokens: their targets are ignored, and causal
-        # attention keeps them from every other position.
-        embedded = self.tok_embeddings(input_ids)
+        # As the main layers' context: masks at the whole sequence's length, and the shard, so
+        # the depth's attention runs under the same sequence core (Ulysses' or the ring).
+        seq_len = h.shape[1] if shard is None else shard.seq_len
+        backend, docs = prepare_documents(self.attn_backend, docs, h, seq_len)
+        ctx = ForwardContext(cos, sin, docs, backend, shard, kernels=self.kernels)
         normed = []
         for k, depth in enumerate(self.mtp):
-            h, aux = depth(h, embedded.roll(-(k + 1), dims=1), ctx)
+            # Wrapped, the last real columns hold the row's first tokens: their targets are
+            # ignored, and causal attention keeps them from every other position.
+            embedded = self.tok_embeddings(shifted_ids(input_ids, k + 1, shard))
+            h, aux = depth(h, embedded, ctx)
             keep_routing(self.last_routing, depth.block.feed_forward, aux.routing)
             normed.append(depth.norm(h, self.kernels))
         return normed
@@ -102,8 +109,9 @@ class DeepseekV3Transformer(MoEDecoder):
         self, labels: torch.Tensor, position_ids: torch.Tensor | None, chunk_tokens: int
     ) -> MTPLoss | None:
         """The MTP loss of the latest training forward for its ``labels`` [b, s] (the main
-        targets) and packed ``position_ids``, through the head in chunks of ``chunk_tokens``
-        (the objective's kernel choice); None without MTP depths."""
+        targets; this rank's, as its forward's tokens) and packed ``position_ids``, through the
+        head in chunks of ``chunk_tokens`` (the objective's kernel choice); None without MTP
+        depths."""
         if not len(self.mtp):
             return None
         if not self.mtp_hidden:
@@ -117,6 +125,7 @@ class DeepseekV3Transformer(MoEDecoder):
             position_ids,
             self.args.mtp_loss_weight,
             chunk_tokens,
+            self._mtp_shard,
         )
 
     def attention(self, layer_id: int) -> nn.Module:

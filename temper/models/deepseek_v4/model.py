@@ -19,7 +19,7 @@ from torch import nn
 from temper.data.batch import SequenceShard
 from temper.kernels.attention import DocumentMask
 from temper.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
-from temper.models.deepseek_v4.mtp import DeepseekV4MTP, mtp_block_args, predict_ahead, v4_mtp_loss
+from temper.models.deepseek_v4.mtp import DeepseekV4MTP, mtp_block_args, predict_ahead
 from temper.models.layers.compressed_attention import CompressedAttention, CompressedContext
 from temper.models.layers.compressor import CompressedIndexer, Compressor, Windows
 from temper.models.layers.context import ForwardContext
@@ -36,7 +36,7 @@ from temper.models.layers.moe import (
     load_imbalance,
     moe_layers,
 )
-from temper.models.layers.mtp import MTPLoss
+from temper.models.layers.mtp import MTPLoss, mtp_loss
 from temper.models.layers.norm import RMSNorm
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 from temper.models.layers.route_replay import RouterReplay
@@ -46,7 +46,7 @@ from temper.models.layers.routers import (
     HashRouter,
     update_expert_bias,
 )
-from temper.models.layers.sparse_attention import gather_sequence
+from temper.models.layers.whole_sequence import gather_sequence
 
 
 class SharedExpert(nn.Module):
@@ -321,9 +321,7 @@ class DeepseekV4Transformer(LanguageModel):
         hidden, self.mtp_hidden = self.mtp_hidden, []
         weight = self.args.mtp_loss_weight
         head = self.output.weight
-        return v4_mtp_loss(
-            hidden, head, labels, position_ids, weight, chunk_tokens, self._mtp_shard
-        )
+        return mtp_loss(hidden, head, labels, position_ids, weight, chunk_tokens, self._mtp_shard)
 
     def routing(self) -> list[RoutingStats]:
         """The routing of each MoE layer in the latest forward."""

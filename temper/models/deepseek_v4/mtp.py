@@ -18,8 +18,8 @@ of V4-Flash's 44), its ``mtp.0`` tensors hold no compressor or indexer, and its 
 balancing bias (it is past the hash-routed layers). The loss is V3's (``mtp_loss``).
 
 Under Ulysses sequence parallelism a depth's next tokens and targets at a slice's end sit on
-the next rank: the slices' token ids and labels are all-gathered (small integers, no gradient)
-and the whole sequence shifted before each rank keeps its slice; the block itself gathers its
+the next rank: V3's ``shifted_ids`` and ``mtp_loss`` join the slices' token ids and labels
+into the whole sequence before each rank keeps its slice; the block itself gathers its
 attention inputs as the main layers do.
 """
 
@@ -30,16 +30,14 @@ import dataclasses
 import torch
 from torch import nn
 
-from temper.data.batch import SequenceShard
 from temper.models.deepseek_v4.args import SLIDING, DeepseekV4Args
 from temper.models.layers.compressed_attention import CompressedContext
 from temper.models.layers.decoder import BlockAux
 from temper.models.layers.hyper_connections import HyperHead
 from temper.models.layers.init import init_linear
 from temper.models.layers.moe import RoutingStats, keep_routing
-from temper.models.layers.mtp import MTPLoss, draft_loss, mtp_loss, mtp_targets
+from temper.models.layers.mtp import shifted_ids
 from temper.models.layers.norm import RMSNorm
-from temper.models.layers.sparse_attention import gather_sequence
 
 
 def mtp_block_args(args: DeepseekV4Args) -> DeepseekV4Args:
@@ -82,18 +80,6 @@ class DeepseekV4MTP(nn.Module):
         return self.block(self.e_proj(embedded).unsqueeze(2) + self.h_proj(streams), ctx)
 
 
-def shifted_ids(input_ids: torch.Tensor, ahead: int, shard: SequenceShard | None) -> torch.Tensor:
-    """The token ``ahead`` columns on at each position of ``input_ids`` [b, s] (a slice's
-    with ``shard``), wrapping at the real tokens' end as one process's whole row does: the
-    wrapped columns' targets are ignored, and causal attention hides them from the rest."""
-    if shard is None:
-        return input_ids.roll(-ahead, dims=1)
-    whole = gather_sequence(input_ids, shard.group)
-    real = shard.real_len or whole.shape[1]
-    whole = torch.cat([whole[:, :real].roll(-ahead, dims=1), whole[:, real:]], dim=1)
-    return whole[:, shard.start : shard.start + input_ids.shape[1]]
-
-
 def predict_ahead(
     depths: nn.ModuleList,
     streams: torch.Tensor,
@@ -112,26 +98,3 @@ def predict_ahead(
         keep_routing(routing, depth.block.feed_forward, aux.routing)
         normed.append(depth.norm(depth.hc_head(streams), ctx.kernels))
     return normed
-
-
-def v4_mtp_loss(
-    hidden: list[torch.Tensor],
-    head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    weight: float,
-    chunk_tokens: int,
-    shard: SequenceShard | None,
-) -> MTPLoss:
-    """``mtp_loss`` of the depths' ``hidden`` states; with a ``shard``, ``labels`` and
-    ``position_ids`` are the slice's: each depth's targets come from the whole sequence's
-    (gathered), and the metrics are the whole sequence's (summed over the SP group)."""
-    if shard is None:
-        return mtp_loss(hidden, head_weight, labels, position_ids, weight, chunk_tokens)
-    whole_labels = gather_sequence(labels, shard.group)
-    whole_positions = None if position_ids is None else gather_sequence(position_ids, shard.group)
-    local = slice(shard.start, shard.start + labels.shape[1])
-    targets = [
-        mtp_targets(whole_labels, whole_positions, k + 1)[:, local] for k in range(len(hidden))
-    ]
-    return draft_loss(hidden, head_weight, targets, weight, chunk_tokens, shard.group)

@@ -40,7 +40,7 @@ from temper.models.layers.context import ForwardContext
 from temper.models.layers.grouped_linear import GroupedLinear
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
-from temper.models.layers.sparse_attention import gather_sequence
+from temper.models.layers.whole_sequence import gather_sequence
 
 
 @dataclass(frozen=True)

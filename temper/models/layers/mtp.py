@@ -9,6 +9,12 @@ and head are the main model's, so the draft trains them jointly with the backbon
 The loss of depth k is the cross-entropy summed over the positions whose target lies in the
 same document; ``MTPLoss.weighted_sum`` is ``weight / depth`` times the sum over depths, added
 to the main loss sum before the trainer's division by the main token count.
+
+Under sequence or context parallelism a depth's next tokens and targets near the end of a
+rank's tokens sit on another rank: the ranks' token ids and labels (small integers, no
+gradient) are joined into the whole sequence, shifted there, and each rank keeps its own
+tokens (``shifted_ids``, ``mtp_loss``); the depth's block runs under the same sequence core as
+the main layers.
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from temper.data.batch import IGNORE_INDEX
+from temper.data.batch import IGNORE_INDEX, SequenceShard
 from temper.kernels.cross_entropy import linear_log_probs
 from temper.models.layers.context import ForwardContext
 from temper.models.layers.decoder import Block, BlockAux
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
+from temper.models.layers.whole_sequence import local_part, whole_sequence
 
 
 class MultiTokenPredictor(nn.Module):
@@ -88,6 +95,18 @@ class MTPLoss:
     """Share of draft tokens whose argmax is the target: the acceptance of greedy drafting."""
 
 
+def shifted_ids(input_ids: torch.Tensor, ahead: int, shard: SequenceShard | None) -> torch.Tensor:
+    """The token ``ahead`` columns on at each position of ``input_ids`` [b, s] (a rank's tokens
+    with ``shard``), wrapping at the real tokens' end as one process's whole row does: the
+    wrapped columns' targets are ignored, and causal attention hides them from the rest."""
+    if shard is None:
+        return input_ids.roll(-ahead, dims=1)
+    whole = whole_sequence(input_ids, shard)
+    real = shard.real_len or whole.shape[1]
+    whole = torch.cat([whole[:, :real].roll(-ahead, dims=1), whole[:, real:]], dim=1)
+    return local_part(whole, shard)
+
+
 def mtp_loss(
     hidden: list[torch.Tensor],
     head_weight: torch.Tensor,
@@ -95,10 +114,22 @@ def mtp_loss(
     position_ids: torch.Tensor | None,
     weight: float,
     chunk_tokens: int = 1024,
+    shard: SequenceShard | None = None,
 ) -> MTPLoss:
-    """The loss of each depth's normed hidden states [b, s, dim] through the shared head."""
-    targets = [mtp_targets(labels, position_ids, k + 1) for k in range(len(hidden))]
-    return draft_loss(hidden, head_weight, targets, weight, chunk_tokens)
+    """The loss of each depth's normed hidden states [b, s, dim] through the shared head. With
+    a ``shard`` the inputs are a rank's tokens: each depth's targets come from the whole
+    sequence's labels and positions (gathered), and the metrics are the whole sequence's
+    (summed over the shard's group)."""
+    if shard is None:
+        targets = [mtp_targets(labels, position_ids, k + 1) for k in range(len(hidden))]
+        return draft_loss(hidden, head_weight, targets, weight, chunk_tokens)
+    whole_labels = whole_sequence(labels, shard)
+    whole_positions = None if position_ids is None else whole_sequence(position_ids, shard)
+    targets = [
+        local_part(mtp_targets(whole_labels, whole_positions, k + 1), shard)
+        for k in range(len(hidden))
+    ]
+    return draft_loss(hidden, head_weight, targets, weight, chunk_tokens, shard.group)
 
 
 def draft_loss(

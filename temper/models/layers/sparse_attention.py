@@ -34,7 +34,6 @@ import dataclasses
 from typing import Literal, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -45,7 +44,8 @@ from temper.models.layers.context import ForwardContext
 from temper.models.layers.init import init_linear
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import apply_rope
-from temper.utils.compat import all_to_all_single_autograd, functional_all_reduce
+from temper.models.layers.whole_sequence import gather_sequence
+from temper.utils.compat import functional_all_reduce
 
 IndexerTraining = Literal["off", "sparse", "dense_warmup"]
 INDEXER_TRAINING: tuple[IndexerTraining, ...] = ("off", "sparse", "dense_warmup")
@@ -333,16 +333,6 @@ class SparseMLA(MLA):
             visible = causal_band(n_keys, n_keys, None, device)[None]
         start = 0 if ctx.shard is None else ctx.shard.start
         return visible[:, start : start + n_queries]
-
-
-def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's x [b, s/sp, ...] of the SP ``group`` joined in rank order: [b, s, ...]
-    (with autograd: each slice's gradient goes back to its rank). Booleans travel as bytes."""
-    size = dist.get_world_size(group)
-    flag = x.dtype == torch.bool
-    sent = (x.to(torch.uint8) if flag else x).unsqueeze(0).expand(size, *x.shape).contiguous()
-    got = all_to_all_single_autograd(sent, None, None, group).movedim(0, 1).flatten(1, 2)
-    return got.bool() if flag else got
 
 
 def _whole_sequence_mean(kl: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
