@@ -44,6 +44,7 @@ from temper.parallel.ulysses import (
     PREFERENCE_SIDES,
     VISION_FIELDS,
     UlyssesCore,
+    media_fields,
     sequence_mixers,
 )
 
@@ -75,7 +76,9 @@ def shard_batch(
     (ring attention reads it by global column); continuous rows need none (causal order by
     global column hides the trailing padding). ``SEQUENCE_SHARD`` holds the padded length, how
     many of the rank's tokens are real and every rank's columns in the group's order
-    (``SequenceShard.columns``).
+    (``SequenceShard.columns``). A vision-language batch's images stay whole, as under Ulysses
+    (``media_fields``): the model fuses them into the whole sequence and keeps the rank's
+    columns; its multimodal positions are taken at the rank's columns.
     """
     if "input_ids" not in batch:
         return {
@@ -90,11 +93,6 @@ def shard_batch(
                 parts,
             ).items()
         }
-    if any(key in batch for key in VISION_FIELDS):
-        raise ValueError(
-            "parallelism.cp: context parallelism does not take image batches yet; use "
-            "parallelism.sp for vision-language models"
-        )
     input_ids, labels = batch["input_ids"], batch["labels"]
     b, s = input_ids.shape
     packed = batch.get("position_ids")
@@ -108,7 +106,7 @@ def shard_batch(
         "position_ids": F.pad(positions, (0, pad), value=PAD_POSITION),
     }
     for key, t in batch.items():
-        if key not in padded:
+        if key not in padded and key not in VISION_FIELDS:
             padded[key] = pad_tokens(t, pad) if t.shape[:2] == (b, s) else t
     # Every rank's columns in the group's order (CP rank, then SP slice): ``SequenceShard``'s
     # ``columns``, by which the model joins the ranks' tokens into the whole sequence.
@@ -125,6 +123,7 @@ def shard_batch(
     shard[SEQUENCE_SHARD] = SequenceShard(
         s + pad, valid, group=group, start=start, real_len=s, columns=every
     )
+    shard.update(media_fields(batch, padded["input_ids"], columns))
     return shard
 
 

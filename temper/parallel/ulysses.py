@@ -107,16 +107,26 @@ def shard_batch(
     shard[SEQUENCE_SHARD] = SequenceShard(
         s + pad, min(max(s - start, 0), local), group=group, start=start, real_len=s
     )
-    if "rope_position_ids" in batch:  # a vision-language batch: see below
-        rope = F.pad(batch["rope_position_ids"], (0, pad))
-        shard["rope_position_ids"] = rope[..., start : start + local]
-    if "pixel_values" in batch:
-        shard["pixel_values"], shard["image_grid_thw"] = (
-            batch["pixel_values"],
-            batch["image_grid_thw"],
-        )
-        shard[FUSION_INPUT_IDS] = padded["input_ids"]
+    shard.update(media_fields(batch, padded["input_ids"], slice(start, start + local)))
     return shard
+
+
+def media_fields(batch: Batch, padded_ids: torch.Tensor, columns: slice | torch.Tensor) -> Batch:
+    """A vision-language batch's fields for one rank's tokens at ``columns`` of the padded
+    sequence (``padded_ids`` [b, s + pad]); none for text. The images and grids stay whole
+    (every rank runs the tower on all of them), ``FUSION_INPUT_IDS`` is the whole padded ids
+    (the model fuses the images into the whole sequence, then keeps the rank's tokens:
+    ``temper.models.layers.whole_sequence.local_part``), and the multimodal positions
+    [3, b, s] are taken at the rank's columns like the tokens."""
+    fields: Batch = {}
+    if "rope_position_ids" in batch:
+        pad = padded_ids.shape[1] - batch["rope_position_ids"].shape[-1]
+        fields["rope_position_ids"] = F.pad(batch["rope_position_ids"], (0, pad))[..., columns]
+    if "pixel_values" in batch:
+        fields["pixel_values"] = batch["pixel_values"]
+        fields["image_grid_thw"] = batch["image_grid_thw"]
+        fields[FUSION_INPUT_IDS] = padded_ids
+    return fields
 
 
 def _side(batch: Batch, side: str) -> Batch:

@@ -17,10 +17,13 @@ Extras = Callable[[torch.nn.Module, dict[str, Any]], dict[str, Any]]
 
 
 def sp_and_reference(
-    family: str, overrides: dict[str, Any] | None = None
+    family: str,
+    overrides: dict[str, Any] | None = None,
+    layout: Callable[[], Any] | None = None,
 ) -> tuple[torch.nn.Module, torch.nn.Module, SequenceParallel]:
     """In a rank (the runtime started here): the debug model whole (seed 0) and the same
-    weights under Ulysses sequence parallelism over the world, with its layout."""
+    weights under Ulysses sequence parallelism over the world (or the layout that ``layout``
+    builds once the runtime is up: a ``ContextParallel``), with its layout."""
     import torch.distributed as dist
 
     from temper.models import build_model, materialize
@@ -31,7 +34,7 @@ def sp_and_reference(
     torch.manual_seed(0)
     reference = materialize(build_model(family, "debug", overrides=overrides), "cpu")
     model = build_model(family, "debug", overrides=overrides)
-    sp = SequenceParallel(dist.group.WORLD)
+    sp = SequenceParallel(dist.group.WORLD) if layout is None else layout()
     sp.apply(model)
     model = materialize(model, "cpu")
     model.load_state_dict(reference.state_dict())

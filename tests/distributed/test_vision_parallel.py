@@ -1,9 +1,11 @@
 """Vision-language training under SP, FSDP2 and EP equals one process (gloo, CPU).
 
-``test_sp_image_batch_equals_one_process`` (fast): packed rows of the built-in image task,
-45 tokens padded to 46 over 2 SP ranks: the images are fused into the whole sequence, then
-sliced; every real token's loss term and every parameter's gradient (the tower's included)
-equal one process's on the whole batch.
+``test_image_batch_on_sequence_slices_equals_one_process`` (fast): packed rows of the built-in
+image task at SP 2 (51 tokens padded to 52; an image's tokens 25-28 cross the slices'
+boundary at 26), CP 2 and CP 2 x SP 2 (23 tokens padded to 24; an image's tokens 3-6 cross
+the chunk boundary at 6): the images are fused into the whole sequence, then each rank keeps
+its tokens; the loss and every parameter's gradient (the tower's included) equal one
+process's on the whole batch.
 
 ``test_layouts_train_like_one_process`` (slow): the debug VLM recipes at FSDP 2, SP 2 and
 SP 2 x EP 2 (the MoE language model): every step's loss and gradient norm over 5 steps
@@ -31,8 +33,18 @@ SP2_EP2 = Layout("sp2_ep2", world=2, local_batch=4, parallelism={"sp": 2, "ep": 
 CASES = [(qwen3_5_vl_debug, FSDP2), (qwen3_5_vl_debug, SP2), (qwen3_5_moe_vl_debug, SP2_EP2)]
 
 
-def test_sp_image_batch_equals_one_process() -> None:
-    got, want = run_on_ranks(_sp_rank, 2)[0]
+IMAGE_LAYOUTS = [("sp2", 2, 51), ("cp2", 2, 23), ("cp2_sp2", 4, 23)]
+"""(layout, ranks, tokens per row)."""
+
+
+@pytest.mark.parametrize(
+    ("layout", "world", "seq_len"), IMAGE_LAYOUTS, ids=[name for name, _, _ in IMAGE_LAYOUTS]
+)
+def test_image_batch_on_sequence_slices_equals_one_process(
+    layout: str, world: int, seq_len: int
+) -> None:
+    got, want = run_on_ranks(_image_rank, world, layout, seq_len)[0]
+    assert got["image_crosses_ranks"]  # some image's tokens sit on two ranks
     assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=1e-6)
     assert got["grads"].keys() == want["grads"].keys()
     assert any(name.startswith("visual.") for name in got["grads"])
@@ -42,20 +54,41 @@ def test_sp_image_batch_equals_one_process() -> None:
         torch.testing.assert_close(grad, want["grads"][name], rtol=1e-5, atol=1e-5 * scale)
 
 
-def _sp_rank() -> tuple[dict[str, Any], dict[str, Any]] | None:
+def _layout(name: str) -> Any:
+    """The layout ``name`` over the world (started): Ulysses SP, CP, or CP 2 x SP 2 on the
+    meshes the trainer builds."""
+    import torch.distributed as dist
+
+    from temper.config import Parallelism
+    from temper.parallel.context_parallel import ContextParallel
+    from temper.parallel.dims import ParallelDims
+    from temper.parallel.ulysses import SequenceParallel
+
+    if name == "sp2":
+        return SequenceParallel(dist.group.WORLD)
+    if name == "cp2":
+        return ContextParallel(dist.group.WORLD)
+    dims = ParallelDims.from_config(Parallelism(cp=2, sp=2), 4, dist.get_rank())
+    world = dims.build_meshes("cpu").world
+    groups = (world[name].get_group() for name in ("cp", "sp", "cp_sp"))
+    return ContextParallel(*groups)
+
+
+def _image_rank(layout: str, seq_len: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
     import torch.distributed as dist
 
     from temper.config import Config, Data
+    from temper.data.batch import SEQUENCE_SHARD
     from temper.data.loader import build_loader
     from temper.data.tokenizer import load_tokenizer
     from temper.objectives import CausalLM
 
-    reference, model, sp = sp_and_reference("qwen3_5_vl")
+    reference, model, parallel = sp_and_reference("qwen3_5_vl", layout=lambda: _layout(layout))
 
     config = Config(data=Data(format="sft", builtin_images=True, builtin_examples=8))
-    config.training.seq_len, config.training.local_batch_size = 45, 2
+    config.training.seq_len, config.training.local_batch_size = seq_len, 2
     batch = next(iter(build_loader(config, load_tokenizer(None), 0, 1)))
-    assert len(batch["image_grid_thw"]) >= 3  # several images in a packed row
+    shard = parallel.shard(batch)
 
     def run(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         loss, _, _ = CausalLM().loss(model, batch)
@@ -68,9 +101,17 @@ def _sp_rank() -> tuple[dict[str, Any], dict[str, Any]] | None:
             grads[name] = grad
         return {"loss": loss.detach(), "grads": grads}
 
-    got = run(model, sp.shard(batch))
+    got = run(model, shard)
     dist.all_reduce(got["loss"])
     want = run(reference, batch)
+    # Which rank holds each column of the padded rows, from the shard's layout.
+    info = shard[SEQUENCE_SHARD]
+    order = torch.arange(info.seq_len) if info.columns is None else info.columns
+    owner = torch.empty(info.seq_len, dtype=torch.long)
+    owner[order] = torch.arange(info.seq_len) // (info.seq_len // dist.get_world_size())
+    image = batch["input_ids"] == reference.args.image_token_id
+    split = image[:, 1:] & image[:, :-1] & (owner[1:seq_len] != owner[: seq_len - 1])
+    got["image_crosses_ranks"] = bool(split.any())
     dist.barrier()
     return (got, want) if dist.get_rank() == 0 else None
 
@@ -126,3 +167,29 @@ def test_sp_slices_keep_the_images_whole() -> None:
         assert shard[SEQUENCE_SHARD].start == 4 * rank
         want = torch.nn.functional.pad(batch["rope_position_ids"], (0, 1))[..., 4 * rank :][..., :4]
         assert torch.equal(shard["rope_position_ids"], want)
+
+
+def test_cp_ranks_keep_the_images_whole() -> None:
+    """7 tokens at CP 2 (padded to 8, chunks of 2): each rank has all the pixels and grids,
+    the whole padded ids for fusion and the multimodal positions of its chunks (rank 0:
+    columns 0, 1, 6, 7; rank 1: 2-5)."""
+    from temper.data.batch import FUSION_INPUT_IDS
+    from temper.parallel.context_parallel import shard_batch
+
+    ids = torch.arange(1, 8)[None]
+    rope = torch.arange(21).view(3, 1, 7)
+    batch = {
+        "input_ids": ids,
+        "labels": ids,
+        "pixel_values": torch.randn(16, 8),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "rope_position_ids": rope,
+    }
+    for rank, columns in enumerate(([0, 1, 6, 7], [2, 3, 4, 5])):
+        shard = shard_batch(batch, rank, 2)
+        assert shard["pixel_values"] is batch["pixel_values"]
+        assert shard["image_grid_thw"] is batch["image_grid_thw"]
+        assert shard[FUSION_INPUT_IDS].tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
+        want = torch.nn.functional.pad(rope, (0, 1))[..., columns]
+        assert torch.equal(shard["rope_position_ids"], want)
+        assert shard["input_ids"].tolist() == [[c + 1 if c < 7 else 0 for c in columns]]

@@ -11,6 +11,7 @@ from temper.data.batch import SequenceShard
 from temper.data.mrope_positions import mrope_positions
 from temper.kernels.dispatch import Kernels
 from temper.models.layers.vision import VisionTower
+from temper.models.layers.whole_sequence import local_part
 from temper.models.qwen3_5.model import Qwen3_5Transformer
 from temper.models.qwen3_5_moe.model import Qwen3_5MoeTransformer
 from temper.models.qwen3_5_vl.args import Qwen3_5MoeVLArgs, Qwen3_5VLArgs
@@ -21,8 +22,8 @@ class VisionLanguage(nn.Module):
     ``hidden_states`` then take the images' ``pixel_values`` and ``image_grid_thw`` (as
     transformers' processor gives them) and, optionally, ``rope_position_ids`` [3, b, s]
     (computed from the grids when absent) as keywords, read by ``embed_inputs``. Under
-    sequence parallelism ``fusion_input_ids`` holds the whole sequence's ids: the images are
-    fused into the whole sequence, which is then sliced as the tokens were."""
+    sequence or context parallelism ``fusion_input_ids`` holds the whole sequence's ids: the
+    images are fused into the whole sequence, of which the rank then keeps its tokens."""
 
     args: Qwen3_5VLArgs
     tok_embeddings: nn.Embedding
@@ -69,8 +70,8 @@ class VisionLanguage(nn.Module):
         rope_position_ids: torch.Tensor | None = None,
         fusion_input_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder's hook: the fused embeddings of this forward's tokens (a slice's part of
-        the whole sequence's under sequence parallelism) and their multimodal positions
+        """The decoder's hook: the fused embeddings of this forward's tokens (a rank's part of
+        the whole sequence's under sequence or context parallelism) and their multimodal positions
         (computed from the grids when a batch with images does not bring them)."""
         if pixel_values is not None and rope_position_ids is None:
             if shard is not None:
@@ -84,7 +85,7 @@ class VisionLanguage(nn.Module):
         if fusion_input_ids is None:
             raise ValueError("a sequence-parallel slice with images needs fusion_input_ids")
         embeddings = self.embed(fusion_input_ids, pixel_values, image_grid_thw)
-        return embeddings[:, shard.start : shard.start + input_ids.shape[1]], rope_position_ids
+        return local_part(embeddings, shard), rope_position_ids
 
 
 class Qwen3_5VLTransformer(VisionLanguage, Qwen3_5Transformer):
