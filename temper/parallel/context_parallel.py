@@ -35,10 +35,12 @@ from temper.data.batch import (
 )
 from temper.kernels.ring_attention import load_balanced_indices
 from temper.models.layers.attention import Attention, GatedAttention
-from temper.models.layers.context import ForwardContext, SequenceMixer
+from temper.models.layers.context import ForwardContext, SequenceCore, SequenceMixer
 from temper.models.layers.gated_deltanet import GatedDeltaNet, GroupedGatedDeltaNet
 from temper.models.layers.mla import MLA
 from temper.models.layers.sink_attention import SinkAttention
+from temper.models.layers.sparse_attention import SparseMLA
+from temper.models.layers.whole_sequence import local_part, whole_sequence
 from temper.parallel.ulysses import (
     PAD_POSITION,
     PREFERENCE_SIDES,
@@ -48,11 +50,16 @@ from temper.parallel.ulysses import (
     sequence_mixers,
 )
 
-CP_MIXERS = (Attention, GatedAttention, MLA, SinkAttention, GatedDeltaNet, GroupedGatedDeltaNet)
-"""The token mixers with a CP form: softmax attention through ``attend``, which runs as ring
-attention, and Gated DeltaNet, whose state and convolution window pass from rank to rank
-(``gated_deltanet.context_parallel_mix``); any other kind (sparse or compressed attention) is
-refused, not run on part of each sequence."""
+RING_MIXERS = (Attention, GatedAttention, MLA, SinkAttention, GatedDeltaNet, GroupedGatedDeltaNet)
+"""The token mixers CP runs as a ring (``RingCore``): softmax attention through ``attend``,
+which runs as ring attention, and Gated DeltaNet, whose state and convolution window pass from
+rank to rank (``gated_deltanet.context_parallel_mix``)."""
+
+GATHER_MIXERS = (SparseMLA,)
+"""The token mixers CP runs on all-gathered keys and values (``GatherCore``): DeepSeek sparse
+attention, whose queries each attend to keys chosen anywhere before them, which a ring's
+blocks do not fit. A mixer of neither kind (DeepSeek V4's compressed attention) is refused,
+not run on part of each sequence."""
 
 
 def shard_batch(
@@ -172,6 +179,49 @@ class RingCore:
         return mixer.mix_heads(q, k, v, dataclasses.replace(ctx, context_group=self.group), *heads)
 
 
+class GatherCore:
+    """A ``SequenceCore`` for CP by all-gather (as in the Llama 3 paper): every rank of the
+    group gathers the whole sequence's keys and values, in sequence order, and attends with
+    its own queries; autograd through the gather sends each rank its tokens' dK and dV back.
+    For mixers whose attention reads its mask from ``ctx.selected`` (sparse attention's
+    chosen keys, [b, seq_len, seq_len] over the whole sequence): the core keeps the mask's
+    rows of this rank's queries. Each rank holds the layer's whole K/V, so the memory of
+    attention's inputs does not shrink with the CP degree as the ring's does.
+
+    Under CP x SP it runs inside Ulysses' all-to-alls: its tokens are then the CP rank's (its
+    SP slices joined) for a part of the heads, and the group links the CP ranks holding that
+    part, as for the ring."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def __call__(
+        self,
+        mixer: SequenceMixer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        *heads: torch.Tensor,
+    ) -> torch.Tensor:
+        if ctx.cache is not None:
+            raise ValueError(
+                "parallelism.cp: a KV cache decodes whole rows; generate inside "
+                "temper.parallel.ulysses.whole_sequences (as RL rollouts do)"
+            )
+        assert ctx.shard is not None and ctx.selected is not None  # CP shards; the mixer chose
+        # The CP rank's tokens among the group's, joined in CP rank order: under CP x SP they
+        # are its SP slices, which the columns list first in (cp, sp) order.
+        shard = dataclasses.replace(
+            ctx.shard, group=self.group, start=self.rank * ctx.shard.seq_len // self.size
+        )
+        k, v = whole_sequence(k, shard), whole_sequence(v, shard)
+        ctx = dataclasses.replace(ctx, selected=local_part(ctx.selected, shard))
+        return mixer.mix_heads(q, k, v, ctx, *heads)
+
+
 class ContextParallel:
     """One CP group, alone or composed with an SP group (2-D sequence parallelism): shards
     batches for its ranks (``shard``) and wires a decoder for them (``apply``).
@@ -210,19 +260,25 @@ class ContextParallel:
         return shard_batch(batch, self.rank, self.size, self.rows, self.sp_rank, self.sp_size)
 
     def apply(self, model: nn.Module) -> None:
-        """Route every token mixer's sequence core through its CP form (``RingCore``), inside
-        Ulysses' all-to-alls (``UlyssesCore``) under CP x SP. Runs on the meta model, before
-        any other wrapper; a mixer of another kind is refused."""
-        ring = RingCore(self.group)
-        core = ring if self.sp is None else UlyssesCore(self.sp, inner=ring)
+        """Route every token mixer's sequence core through its CP form (``RingCore``, or
+        ``GatherCore`` for sparse attention), inside Ulysses' all-to-alls (``UlyssesCore``)
+        under CP x SP. Runs on the meta model, before any other wrapper; a mixer of another
+        kind is refused."""
+        ring: SequenceCore = RingCore(self.group)
+        gather: SequenceCore = GatherCore(self.group)
+        if self.sp is not None:
+            ring, gather = UlyssesCore(self.sp, inner=ring), UlyssesCore(self.sp, inner=gather)
         for mixer in sequence_mixers(model):
-            if type(mixer) not in CP_MIXERS:
+            if type(mixer) in RING_MIXERS:
+                mixer.sequence_core = ring
+            elif type(mixer) in GATHER_MIXERS:
+                mixer.sequence_core = gather
+            else:
                 raise ConfigError(
                     f"parallelism.cp: {type(mixer).__name__} layers have no context-parallel "
-                    "form yet (it covers softmax attention, MLA and Gated DeltaNet); use "
-                    "parallelism.sp"
+                    "form yet (it covers softmax attention, MLA, DeepSeek sparse attention and "
+                    "Gated DeltaNet); use parallelism.sp"
                 )
-            mixer.sequence_core = core
 
 
 @register_rule

@@ -35,7 +35,6 @@ from temper.kernels.attention import DocumentMask, attention
 from temper.parallel.context_parallel import shard_batch, unshard
 from temper.parallel.ulysses import PAD_POSITION
 from temper.recipes.deepseek_v4 import deepseek_v4_debug
-from temper.recipes.deepseek_v32 import deepseek_v32_debug
 from temper.recipes.llama3 import llama3_debug
 from temper.recipes.qwen3 import qwen3_moe_debug
 from temper.recipes.qwen3_5 import qwen3_5_debug
@@ -424,7 +423,7 @@ FAMILIES = ("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5", "qwen3_5_
 """GQA with q/k norms; with MoE routing statistics over real tokens; sinks and sliding windows;
 MLA; the Gated DeltaNet hybrids, dense and MoE (their state and convolution window passed
 between the ranks). Llama 3 runs through the trainer below; DeepSeek sparse attention (V3.2,
-GLM-5) and DeepSeek V4 are refused under CP by name
+GLM-5) is tested in test_dsa_context_parallel.py; DeepSeek V4 is refused under CP by name
 (test_paths_not_built_are_refused_naming_parallelism_cp); MTP is tested in test_mtp.py."""
 
 
@@ -545,10 +544,9 @@ def _with(recipe: Callable[[], Config], **fields: object) -> Config:
 @pytest.mark.parametrize(
     ("config", "world", "message"),
     [
-        (_with(deepseek_v32_debug), 2, "parallelism.cp = 2: DeepSeek sparse attention"),
         (_with(deepseek_v4_debug), 2, "parallelism.cp = 2: deepseek_v4 runs without"),
     ],
-    ids=["dsa", "deepseek_v4"],
+    ids=["deepseek_v4"],
 )
 def test_paths_not_built_are_refused_naming_parallelism_cp(
     config: Config, world: int, message: str

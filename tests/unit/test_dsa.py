@@ -321,12 +321,15 @@ def test_shared_layers_hold_no_indexer_and_patterns_read_alike(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
-def test_layout_refuses_context_parallel(family: str) -> None:
+def test_layout_takes_context_parallel(family: str) -> None:
+    """CP, alone or with SP, passes the layout rule (its parity: test_dsa_context_parallel);
+    the decoder rule still holds (heads over SP)."""
     spec = get_model_spec(family)
     args = spec.flavors["debug"]
-    spec.check_layout(args, Parallelism(ep=2, sp=2))
-    with pytest.raises(ConfigError, match="parallelism.cp = 2"):
-        spec.check_layout(args, Parallelism(cp=2))
+    for parallelism in (Parallelism(ep=2, sp=2), Parallelism(cp=2), Parallelism(cp=2, sp=2)):
+        spec.check_layout(args, parallelism)
+    with pytest.raises(ConfigError, match="sp"):
+        spec.check_layout(args, Parallelism(cp=2, sp=args.n_heads + 1))
 
 
 def test_flops_count_the_sparse_work() -> None:

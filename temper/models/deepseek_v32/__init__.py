@@ -1,6 +1,6 @@
 """DeepSeek V3.2 family (`deepseek_v32`): DeepSeek V3 with DeepSeek Sparse Attention."""
 
-from temper.models.deepseek_v32.args import FLAVORS, DeepseekV32Args, check_dsa_layout
+from temper.models.deepseek_v32.args import FLAVORS, DeepseekV32Args
 from temper.models.deepseek_v32.hf import ADAPTER
 from temper.models.deepseek_v32.model import DeepseekV32Transformer
 from temper.models.registry import ModelSpec, register_model
@@ -11,7 +11,6 @@ register_model(
         FLAVORS,
         DeepseekV32Transformer,
         hf_adapter=ADAPTER,
-        check_layout=check_dsa_layout,
     )
 )
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from temper.config import ConfigError, Parallelism
 from temper.models.deepseek_v3.args import FLAVORS as V3_FLAVORS
 from temper.models.deepseek_v3.args import DeepseekV3Args
-from temper.models.fit import check_decoder_layout
 from temper.models.layers.sparse_attention import INDEXER_TRAINING, IndexerTraining
 
 
@@ -66,19 +64,6 @@ def with_indexer(
     return DeepseekV32Args(
         **fields, index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=index_topk
     )
-
-
-def check_dsa_layout(args: DeepseekV32Args, parallelism: Parallelism) -> None:
-    """The decoder rule (experts over EP, heads over SP: under Ulysses each rank's indexer
-    scores its slice's queries against the whole sequence's keys, gathered), and no context
-    parallelism: a ring passes key blocks along, which the indexer's top-k over every earlier
-    key of a query does not fit (not built yet)."""
-    check_decoder_layout(args, parallelism)
-    if parallelism.cp > 1:
-        raise ConfigError(
-            f"parallelism.cp = {parallelism.cp}: DeepSeek sparse attention runs without "
-            "context parallelism for now; use cp = 1 (sequence parallelism, sp, works)"
-        )
 
 
 FLAVORS: dict[str, DeepseekV32Args] = {

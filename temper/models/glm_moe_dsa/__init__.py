@@ -2,7 +2,6 @@
 Attention) with its own sizes, the indexer's rotary in interleaved pairs, and layers that may
 reuse the previous indexed layer's top-k."""
 
-from temper.models.deepseek_v32.args import check_dsa_layout
 from temper.models.glm_moe_dsa.args import FLAVORS, GlmMoeDsaArgs
 from temper.models.glm_moe_dsa.hf import ADAPTER
 from temper.models.glm_moe_dsa.model import GlmMoeDsaTransformer
@@ -14,7 +13,6 @@ register_model(
         FLAVORS,
         GlmMoeDsaTransformer,
         hf_adapter=ADAPTER,
-        check_layout=check_dsa_layout,
     )
 )
 

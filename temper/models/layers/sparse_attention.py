@@ -44,7 +44,7 @@ from temper.models.layers.context import ForwardContext
 from temper.models.layers.init import init_linear
 from temper.models.layers.mla import MLA
 from temper.models.layers.rope import apply_rope
-from temper.models.layers.whole_sequence import gather_sequence
+from temper.models.layers.whole_sequence import local_part, whole_sequence
 from temper.utils.compat import functional_all_reduce
 
 IndexerTraining = Literal["off", "sparse", "dense_warmup"]
@@ -275,15 +275,15 @@ class SparseMLA(MLA):
         """[b, s, t] True at the keys each query attends to, and the KL term (None unless
         the indexer trains).
 
-        Under sequence parallelism each rank scores its slice's queries against the whole
-        sequence's indexer keys (gathered) and the rows of every rank are joined: the choice
-        of all queries of the whole sequence, which the attention core sees. The scores
+        Under sequence or context parallelism each rank scores its queries against the whole
+        sequence's indexer keys (``whole_sequence``) and the rows of every rank are joined in
+        sequence order: the choice of all queries of the whole sequence, which the attention
+        core sees (Ulysses' whole, or CP's all-gather taking its rank's rows). The scores
         leave out the padding's keys, so each row is one process's and ``topk`` breaks ties
         as it would there (ReLU makes exact ties common); the KL is the mean over the whole
         sequences' real queries."""
         cos, sin = ctx.cos * self.rope_scale, ctx.sin * self.rope_scale
         cache, shard = ctx.cache, ctx.shard
-        group = None if shard is None else shard.group
         trains = (
             self.indexer_training != "off"
             and self.training
@@ -296,11 +296,11 @@ class SparseMLA(MLA):
             keys = indexer.keys(x_in, cos, sin)
             if cache is not None:
                 keys = cache.index_keys(keys)
-            elif group is not None:
-                keys = gather_sequence(keys, group)
+            elif shard is not None:
+                keys = whole_sequence(keys, shard)
             real = keys.shape[1] if shard is None or shard.real_len is None else shard.real_len
             scores = indexer(x_in, latent, keys[:, :real], cos, sin)
-        visible = self._visible(ctx, x.shape[1], keys.shape[1], x.device)
+        visible = self._visible(ctx, keys.shape[1], x.device)
         visible = visible.expand(scores.shape[0], -1, -1)
         if self.indexer_training == "dense_warmup":
             chosen = visible[..., :real]
@@ -308,35 +308,33 @@ class SparseMLA(MLA):
             chosen = select_top_k(scores.detach(), visible[..., :real], self.index_topk)
         mean_kl = None
         if trains:
-            every_k = k if group is None else gather_sequence(k.detach(), group)
+            every_k = k if shard is None else whole_sequence(k.detach(), shard)
             n = x.shape[1] if shard is None else shard.valid_len
             kl = indexer_kl(
                 q[:, :n], every_k[:, :real], scores[:, :n], chosen[:, :n], self.softmax_scale
             )
-            mean_kl = kl.mean() if group is None else _whole_sequence_mean(kl, shard)
+            mean_kl = kl.mean() if shard is None else _whole_sequence_mean(kl, shard)
         # A padding query keeps the padding keys it sees (itself at least), as attention needs.
         chosen = torch.cat([chosen, visible[..., real:]], dim=-1)
-        return (chosen if group is None else gather_sequence(chosen, group)), mean_kl
+        return (chosen if shard is None else whole_sequence(chosen, shard)), mean_kl
 
     @staticmethod
-    def _visible(
-        ctx: ForwardContext, n_queries: int, n_keys: int, device: torch.device
-    ) -> torch.Tensor:
-        """[b or 1, n_queries, n_keys] True where a query may see a key: the cache's filled
-        columns when decoding, else the same document and not later (the rows of this slice's
-        queries under sequence parallelism, whose keys are the whole sequence's)."""
+    def _visible(ctx: ForwardContext, n_keys: int, device: torch.device) -> torch.Tensor:
+        """[b or 1, queries, n_keys] True where a query may see a key: the cache's filled
+        columns when decoding, else the same document and not later (the rows of this rank's
+        queries under sequence or context parallelism, whose keys are the whole sequence's)."""
         if ctx.cache is not None:
             return ctx.cache.visible()
         if ctx.docs is not None:
             visible = ctx.docs.dense()[:, 0]
         else:
             visible = causal_band(n_keys, n_keys, None, device)[None]
-        start = 0 if ctx.shard is None else ctx.shard.start
-        return visible[:, start : start + n_queries]
+        return visible if ctx.shard is None else local_part(visible, ctx.shard)
 
 
 def _whole_sequence_mean(kl: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
-    """The mean of the real queries' ``kl`` [b, valid_len] over every slice of the SP group:
+    """The mean of the real queries' ``kl`` [b, valid_len] over every rank of the shard's group
+    (SP, CP or CP x SP):
     what one process holding the whole rows would take (the same on every rank; the gradient
     of each rank's use of it is summed back)."""
     totals = torch.stack([kl.sum(), kl.new_tensor(float(kl.numel()))])
