@@ -34,7 +34,6 @@ from temper.data.batch import DOCUMENT_POSITIONS, SEQUENCE_SHARD
 from temper.kernels.attention import DocumentMask, attention
 from temper.parallel.context_parallel import shard_batch, unshard
 from temper.parallel.ulysses import PAD_POSITION
-from temper.recipes.deepseek_v4 import deepseek_v4_debug
 from temper.recipes.llama3 import llama3_debug
 from temper.recipes.qwen3 import qwen3_moe_debug
 from temper.recipes.qwen3_5 import qwen3_5_debug
@@ -423,8 +422,7 @@ FAMILIES = ("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5", "qwen3_5_
 """GQA with q/k norms; with MoE routing statistics over real tokens; sinks and sliding windows;
 MLA; the Gated DeltaNet hybrids, dense and MoE (their state and convolution window passed
 between the ranks). Llama 3 runs through the trainer below; DeepSeek sparse attention (V3.2,
-GLM-5) is tested in test_dsa_context_parallel.py; DeepSeek V4 is refused under CP by name
-(test_paths_not_built_are_refused_naming_parallelism_cp); MTP is tested in test_mtp.py."""
+GLM-5) and DeepSeek V4 are tested in test_dsa_context_parallel.py; MTP in test_mtp.py."""
 
 
 @pytest.mark.slow
@@ -544,9 +542,13 @@ def _with(recipe: Callable[[], Config], **fields: object) -> Config:
 @pytest.mark.parametrize(
     ("config", "world", "message"),
     [
-        (_with(deepseek_v4_debug), 2, "parallelism.cp = 2: deepseek_v4 runs without"),
+        (
+            _with(llama3_debug, optimizer__name="muon", optimizer__muon_qk_clip=100.0),
+            2,
+            "parallelism.cp = 2 with optimizer.muon_qk_clip",
+        ),
     ],
-    ids=["deepseek_v4"],
+    ids=["muon_qk_clip"],
 )
 def test_paths_not_built_are_refused_naming_parallelism_cp(
     config: Config, world: int, message: str

@@ -18,7 +18,7 @@ from hf_parity import check_round_trip, earliest_first_topk, max_rel_err
 from transformers import AutoModelForCausalLM, DeepseekV4Config, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
-from temper.config import ConfigError, Parallelism
+from temper.config import Parallelism
 from temper.generation import generate
 from temper.kernels.attention import DocumentMask
 from temper.models import build_model, get_model_spec, load_hf
@@ -208,6 +208,5 @@ def test_debug_flavor_trains_a_step_and_refuses_what_it_lacks() -> None:
     F.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if ".indexer." not in n)
     spec = get_model_spec("deepseek_v4")
-    spec.check_layout(args, Parallelism(ep=2, sp=2))
-    with pytest.raises(ConfigError, match="parallelism.cp = 2"):
-        spec.check_layout(args, Parallelism(cp=2))
+    for parallelism in (Parallelism(ep=2, sp=2), Parallelism(cp=2), Parallelism(cp=2, sp=2)):
+        spec.check_layout(args, parallelism)  # CP's parity: test_dsa_context_parallel

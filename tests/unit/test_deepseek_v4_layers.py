@@ -266,7 +266,7 @@ def test_csa_compressor_and_indexer_match_transformers() -> None:
     windows = Windows.of(positions, torch.zeros_like(positions), 4)
     entries = compressor(x, cos, sin, windows)
     visible = windows.visible()
-    chosen = indexer(x, q_latent, cos, sin, windows, 0)
+    chosen = indexer(x, q_latent, cos, sin, windows, torch.arange(SEQ))
     assert max_rel_err(entries, hf_entries[:, 0]) < 1e-6
     assert torch.equal(chosen, bias[:, 0] == 0)
     # The last queries see 6 entries and keep 3: the choice decides.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from temper.config import ConfigError, Parallelism
+from temper.config import Parallelism
 from temper.models.fit import check_decoder_layout
 from temper.models.layers.args import DecoderArgs, MoEArgs, checked_layer_types
 from temper.models.layers.rope import YarnScaling
@@ -105,15 +105,10 @@ class DeepseekV4Args(MoEArgs, DecoderArgs):
 
 def check_v4_layout(args: DeepseekV4Args, parallelism: Parallelism) -> None:
     """The decoder rule (experts over ``ep``, hash-routed ones dispatched like top-k ones,
-    Ulysses ``sp``, with MTP too: its depths gather the next tokens over the SP group), and
-    no context parallelism yet: the compressors and the indexer read whole sequences, which
-    CP's ring never holds (not built)."""
+    Ulysses ``sp``, with MTP too: its depths gather the next tokens over the SP group).
+    Context parallelism needs nothing of the layout: each layer's attention gathers every
+    rank's inputs and attends with the rank's own queries, as under SP."""
     check_decoder_layout(dataclasses.replace(args, mtp_depth=0), parallelism)
-    if parallelism.cp > 1:
-        raise ConfigError(
-            f"parallelism.cp = {parallelism.cp}: deepseek_v4 runs without context parallelism "
-            "for now; use parallelism.sp for long rows, or cp = 1"
-        )
 
 
 def default_layer_types(n_layers: int) -> tuple[str, ...]:

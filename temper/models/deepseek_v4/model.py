@@ -2,9 +2,10 @@
 compressed attention and mixture of experts (hash-routed or top-k, plus a shared expert), a
 hyper head collapsing the streams before the final norm.
 
-Whole rows, packed or not (documents attend and compress apart), Ulysses sequence-parallel
-slices (each layer's attention gathers the slices' inputs for its keys and compressed entries,
-``temper.models.layers.compressed_attention``; everything else works token by token), and
+Whole rows, packed or not (documents attend and compress apart), sequence- and
+context-parallel ranks' tokens (each layer's attention gathers every rank's inputs for its keys
+and compressed entries, ``temper.models.layers.compressed_attention``; everything else works
+token by token), and
 decoding with a KV cache (the reference's: each layer's inputs kept, keys and compressed
 entries recomputed). Optional multi-token-prediction depths (``mtp``,
 ``temper.models.deepseek_v4.mtp``) run in training mode on the last block's streams and leave
@@ -46,7 +47,7 @@ from temper.models.layers.routers import (
     HashRouter,
     update_expert_bias,
 )
-from temper.models.layers.whole_sequence import gather_sequence
+from temper.models.layers.whole_sequence import whole_sequence
 
 
 class SharedExpert(nn.Module):
@@ -97,8 +98,8 @@ class DeepseekV4Block(nn.Module):
         self, streams: torch.Tensor, ctx: CompressedContext
     ) -> tuple[torch.Tensor, BlockAux]:
         """The streams after the block and its auxiliary outputs: its experts' routing
-        statistics (``BlockAux.routing``; V4's indexer trains no KL term). Under sequence
-        parallelism (``ctx.shard``) the streams are this rank's slice, while the context's
+        statistics (``BlockAux.routing``; V4's indexer trains no KL term). Under sequence or
+        context parallelism (``ctx.shard``) the streams are this rank's tokens, while the context's
         rotary, documents and windows span the whole sequence; the statistics leave the
         slice's padding out. Router replay's ``ctx.route`` and ``ctx.record_routes`` reach
         the experts as in the shared decoder."""
@@ -250,8 +251,8 @@ class DeepseekV4Transformer(LanguageModel):
             position_ids = torch.arange(start, start + s, device=input_ids.device)[None]
         positions = position_ids.expand(b, s)
         if shard is not None:
-            # Keys, windows and rotary span the whole sequence: every slice's positions.
-            positions = gather_sequence(positions.contiguous(), shard.group)
+            # Keys, windows and rotary span the whole sequence: every rank's positions.
+            positions = whole_sequence(positions.contiguous(), shard)
         caches: tuple[LayerCache, ...] = ()
         if cache is not None:
             caches = tuple(cache.extend(s))

@@ -17,11 +17,12 @@ The reference runs on sdpa with an explicit mask over [window keys ; entries], o
 attention kernel (``temper.kernels.sparse_attention.compressed_attention``, whose form
 ``kernels.compressed_attention`` picks): its Triton form reads only each query's window keys
 and visible or picked entries, serves the shared head to every query head by its offset and
-keeps the sinks in its softmax. Under sequence parallelism each rank gathers every slice's
-inputs (with autograd: each slice's gradient goes back to its rank), builds the keys and
-compressed entries of the whole sequence from them, and attends with its own slice's queries,
-all heads: the sliding window, the shared KV head and the compressors' windows then span
-slices as they do in one process. Decoding, it keeps each layer's inputs in the KV cache and
+keeps the sinks in its softmax. Under sequence or context parallelism each rank gathers every
+rank's inputs in sequence order (``whole_sequence``, with autograd: each rank's gradient goes
+back to it), builds the keys and compressed entries of the whole sequence from them, and
+attends with its own tokens' queries (a Ulysses slice, or CP's two load-balanced chunks), all
+heads: the sliding window, the shared KV head and the compressors' windows then span ranks as
+they do in one process. Decoding, it keeps each layer's inputs in the KV cache and
 recomputes keys and compressed entries from them for the new queries: exact, at the cost of a
 forward over the whole history per step.
 """
@@ -40,7 +41,7 @@ from temper.models.layers.context import ForwardContext
 from temper.models.layers.grouped_linear import GroupedLinear
 from temper.models.layers.init import init_linear
 from temper.models.layers.norm import RMSNorm
-from temper.models.layers.whole_sequence import gather_sequence
+from temper.models.layers.whole_sequence import local_part, whole_sequence
 
 
 @dataclass(frozen=True)
@@ -110,37 +111,41 @@ class CompressedAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: CompressedContext) -> torch.Tensor:
         """x [b, n, dim] of whole rows, of the next n tokens with a ``ctx.cache`` (decoding:
         the cache keeps every earlier input, from which keys and entries are recomputed), or
-        of this rank's slice of each row with a sequence-parallel ``ctx.shard`` (the slices
-        are gathered into the keys' side); ``ctx.doc_ids``, ``ctx.cos``/``ctx.sin`` and
-        ``ctx.windows`` span all s tokens (``CompressedContext``)."""
+        of this rank's tokens of each row with a sequence- or context-parallel ``ctx.shard``
+        (every rank's are gathered into the keys' side); ``ctx.doc_ids``,
+        ``ctx.cos``/``ctx.sin`` and ``ctx.windows`` span all s tokens (``CompressedContext``)."""
         cos, sin, doc_ids, windows, shard = ctx.cos, ctx.sin, ctx.doc_ids, ctx.windows, ctx.shard
         b, n, _ = x.shape
         q_x = x
         if ctx.cache is not None:
             x = ctx.cache.keep("inputs", x)
         elif shard is not None:
-            x = gather_sequence(x, shard.group)
+            x = whole_sequence(x, shard)
         s = x.shape[1]
-        # The n queries are tokens first .. first + n - 1 of the s: a slice, or the newest.
-        first = shard.start if shard is not None else s - n
-        q_cos, q_sin = cos[:, first : first + n], sin[:, first : first + n]
-        q_docs = doc_ids[:, first : first + n]
+        if shard is None:
+            # The n queries are the newest of the s tokens (all of them without a cache).
+            rows = torch.arange(s - n, s, device=x.device)
+            band = causal_band(n, s, self.window, x.device)
+        else:
+            # This rank's columns of the whole sequence: a slice, or CP's two chunks.
+            rows = local_part(torch.arange(s, device=x.device)[None], shard)[0]
+            band = causal_band(s, s, self.window, x.device)[rows]
+        q_cos, q_sin, q_docs = cos[:, rows], sin[:, rows], doc_ids[:, rows]
         q_latent = self.q_norm(self.wq_a(q_x), ctx.kernels)
         q = self.wq_b(q_latent).view(b, n, self.n_heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.norm_eps).to(q.dtype)
         rope = ctx.kernels.rope
         q = rope_tail(q, q_cos, q_sin, rope)
         kv = rope_tail(self.kv_norm(self.wkv(x), ctx.kernels).unsqueeze(2), cos, sin, rope)
-        band = causal_band(s - first, s, self.window, x.device)[:n]
         sees = band & (q_docs[:, :, None] == doc_ids[:, None])
         if self.compressor is not None:
             if windows is None or windows.ratio != self.compressor.ratio:
                 raise ValueError(f"a compressed layer needs its windows of {self.compressor.ratio}")
             entries = self.compressor(x, cos, sin, windows, ctx.kernels)
             if self.indexer is None:
-                seen = windows.visible()[:, first : first + n]
+                seen = windows.visible()[:, rows]
             else:
-                seen = self.indexer(x, q_latent, cos, sin, windows, first, ctx.kernels)
+                seen = self.indexer(x, q_latent, cos, sin, windows, rows, ctx.kernels)
             kv = torch.cat((kv, entries.unsqueeze(2)), dim=1)
             sees = torch.cat((sees, seen), dim=-1)
         impl = ctx.kernels.compressed_attention

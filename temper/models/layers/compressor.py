@@ -203,18 +203,16 @@ class CompressedIndexer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         windows: Windows,
-        first: int,
+        rows: torch.Tensor,
         kernels: Kernels = REFERENCE,
     ) -> torch.Tensor:
         """[b, n, entries] True at the entries of ``windows`` each of the n tokens of
-        x [b, s, dim] from ``first`` on (their query latent [b, n, q_lora_rank]) reads: its
+        x [b, s, dim] at columns ``rows`` [n] (their query latent [b, n, q_lora_rank]) reads: its
         ``topk`` best of those it sees (all when fewer); cos/sin and ``kernels`` as for
         ``Compressor``."""
-        b, s, _ = x.shape
-        n = q_latent.shape[1]
-        queries = slice(first, first + n)
+        b, n = q_latent.shape[:2]
         keys = self.compressor(x, cos, sin, windows, kernels)
         q = self.q_proj(q_latent).view(b, n, self.n_heads, self.head_dim)
-        q = rope_tail(q, cos[:, queries], sin[:, queries], kernels.rope)
-        scores = index_scores(q, keys, x[:, queries], self.weights_proj)
-        return select_top_k(scores, windows.visible()[:, queries], self.topk)
+        q = rope_tail(q, cos[:, rows], sin[:, rows], kernels.rope)
+        scores = index_scores(q, keys, x[:, rows], self.weights_proj)
+        return select_top_k(scores, windows.visible()[:, rows], self.topk)
