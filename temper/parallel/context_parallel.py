@@ -1,6 +1,8 @@
 """Context parallelism (CP): each CP rank holds part of every sequence, and attention passes
 keys and values around the ranks (``temper.kernels.ring_attention``) instead of splitting
-heads as Ulysses does, so its degree is not capped by the model's key/value heads.
+heads as Ulysses does, so its degree is not capped by the model's key/value heads. DeepSeek
+sparse attention, whose chosen keys lie anywhere before each query, all-gathers them instead
+(``GatherCore``).
 
 The layout is load-balanced: a sequence right-padded to a multiple of ``2 * cp`` is cut into
 ``2 * cp`` chunks and rank r holds chunks r and ``2cp - 1 - r`` (``load_balanced_indices``),
@@ -58,8 +60,8 @@ rank to rank (``gated_deltanet.context_parallel_mix``)."""
 GATHER_MIXERS = (SparseMLA,)
 """The token mixers CP runs on all-gathered keys and values (``GatherCore``): DeepSeek sparse
 attention, whose queries each attend to keys chosen anywhere before them, which a ring's
-blocks do not fit. A mixer of neither kind (DeepSeek V4's compressed attention) is refused,
-not run on part of each sequence."""
+blocks do not fit. A mixer of neither kind is refused, not run on part of each sequence
+(DeepSeek V4's compressed attention is no sequence mixer: it gathers its inputs itself)."""
 
 
 def shard_batch(
