@@ -155,6 +155,14 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return unshard(parts)
 
 
+def _refuse_cache(ctx: ForwardContext) -> None:
+    if ctx.cache is not None:
+        raise ValueError(
+            "parallelism.cp: a KV cache decodes whole rows; generate inside "
+            "temper.parallel.ulysses.whole_sequences (as RL rollouts do)"
+        )
+
+
 class RingCore:
     """A ``SequenceCore`` for CP: the mixer's own ``mix_heads`` with ``ctx.context_group`` set,
     so its attention (``temper.models.layers.attention.attend``) runs as ring attention over
@@ -173,11 +181,7 @@ class RingCore:
         ctx: ForwardContext,
         *heads: torch.Tensor,
     ) -> torch.Tensor:
-        if ctx.cache is not None:
-            raise ValueError(
-                "parallelism.cp: a KV cache decodes whole rows; generate inside "
-                "temper.parallel.ulysses.whole_sequences (as RL rollouts do)"
-            )
+        _refuse_cache(ctx)
         return mixer.mix_heads(q, k, v, dataclasses.replace(ctx, context_group=self.group), *heads)
 
 
@@ -208,11 +212,7 @@ class GatherCore:
         ctx: ForwardContext,
         *heads: torch.Tensor,
     ) -> torch.Tensor:
-        if ctx.cache is not None:
-            raise ValueError(
-                "parallelism.cp: a KV cache decodes whole rows; generate inside "
-                "temper.parallel.ulysses.whole_sequences (as RL rollouts do)"
-            )
+        _refuse_cache(ctx)
         assert ctx.shard is not None and ctx.selected is not None  # CP shards; the mixer chose
         # The CP rank's tokens among the group's, joined in CP rank order: under CP x SP they
         # are its SP slices, which the columns list first in (cp, sp) order.
