@@ -121,11 +121,14 @@ def tiny_hf(config: PreTrainedConfig, folder: Path) -> PreTrainedModel:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_transformers(case: str, tmp_path: Path) -> None:
+    """The gradient bound is 3e-5: on an AVX2-only CPU the router's gate gradient in
+    ``next_pattern_dense_layer`` sits 1.3e-5 from transformers' (largest entry), while in
+    float64 transformers' own fp32 gradient is 2.3e-5 from the truth and Temper's 1.6e-5."""
     config, cls = CASES[case]
     hf = tiny_hf(config, tmp_path)
     native = load_hf(tmp_path)
     assert type(native) is cls
-    check_forward_and_grads(hf, native, logits_rtol=1e-5, grad_rtol=1e-5)
+    check_forward_and_grads(hf, native, logits_rtol=1e-5, grad_rtol=3e-5)
 
 
 def test_matches_transformers_over_several_chunks(tmp_path: Path) -> None:
