@@ -15,8 +15,9 @@ computes it chunk by chunk and the backward only scales it: the same three head 
 as unfused training, no recompute, and neither logits nor hidden states are kept.
 
 Per chunk, the softmax statistics and the logits' gradient run through the kernel
-dispatcher (op ``cross_entropy``): the reference below, its compiled form, or Triton
-kernels that read the chunk once and write its gradient in place.
+dispatcher (op ``cross_entropy``): the references below (the training loss's takes both in
+one pass of exponentials), their compiled forms, or Triton kernels that read the chunk once
+and write its gradient in place.
 `linear_log_probs_reference` is the plain full-logits computation that tests compare against.
 """
 
@@ -75,6 +76,33 @@ def logits_grad_reference(
     rows = torch.arange(grad.shape[0], device=grad.device)
     grad[rows, labels.clamp(min=0)] += grad_log_probs
     return logits.copy_(grad)
+
+
+def loss_and_grad_reference(
+    logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of the training loss: `log_probs_from_logits`' two vectors (the same bits)
+    and, written over ``logits``, the gradient of ``-log p(label) + z_loss_weight * lse^2``
+    summed over valid labels.
+
+    ``exp(logits - max)`` is taken once, in place, and serves both the log-partition and the
+    softmax: statistics and gradient taken apart exponentiate the chunk twice and allocate a
+    chunk-sized ``logits - max`` for the first.
+
+    d/d logits = p * (1 + 2 z lse) - onehot(label), with p = exp(logits - max) / sum.
+    """
+    x = logits.float()
+    rows = torch.arange(x.shape[0], device=x.device)
+    target = labels.clamp(min=0)
+    valid = labels != IGNORE_INDEX
+    picked = x[rows, target]
+    top = x.amax(dim=-1)
+    top = top.masked_fill(top.abs() == float("inf"), 0.0)  # as torch.logsumexp does
+    total = x.sub_(top[:, None]).exp_().sum(dim=-1)
+    lse = total.log().add_(top)
+    x.mul_(torch.where(valid, (1 + 2 * z_loss_weight * lse) / total, 0.0)[:, None])
+    x[rows, target] -= valid.float()
+    return torch.where(valid, picked - lse, 0.0), lse, logits.copy_(x)
 
 
 def linear_log_probs_reference(
@@ -208,28 +236,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         impl: Impl | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stats = choose("cross_entropy", hidden.device, impl, log_probs_from_logits, _triton_stats)
-        logits_grad = choose(
-            "cross_entropy", hidden.device, impl, logits_grad_reference, _triton_grad
+        loss_and_grad = choose(
+            "cross_entropy", hidden.device, impl, loss_and_grad_reference, _triton_loss_and_grad
         )
         grad_hidden, grad_weight = _grad_buffers(ctx, hidden, weight)
+        want_grads = grad_hidden is not None or grad_weight is not None
         nll = hidden.new_zeros((), dtype=torch.float32)
         z_sum = torch.zeros_like(nll)
         buffer = _logits_buffer(hidden, weight, chunk_tokens)
         for start in range(0, labels.numel(), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             logits = _chunk_logits(hidden, weight, rows, buffer)
-            log_probs, lse = stats(logits, labels[rows])
-            valid = labels[rows] != IGNORE_INDEX
-            valid_lse = torch.where(valid, lse, 0.0)
+            if want_grads:
+                log_probs, lse, grad_logits = loss_and_grad(logits, labels[rows], z_loss_weight)
+                _accumulate(grad_logits, hidden, weight, rows, grad_hidden, grad_weight)
+            else:
+                log_probs, lse = stats(logits, labels[rows])
             nll -= log_probs.sum()
-            z_sum += valid_lse.pow(2).sum()
-            if grad_hidden is None and grad_weight is None:
-                continue
-            # d loss / d log p = -1 and d loss / d lse = 2 z lse, on valid labels only.
-            grad_log_probs = -valid.float()
-            grad_lse = 2 * z_loss_weight * valid_lse
-            grad_logits = logits_grad(logits, labels[rows], lse, grad_log_probs, grad_lse)
-            _accumulate(grad_logits, hidden, weight, rows, grad_hidden, grad_weight)
+            z_sum += torch.where(labels[rows] != IGNORE_INDEX, lse, 0.0).pow(2).sum()
         ctx.grads = (grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(z_sum)
@@ -312,6 +336,14 @@ def _triton_stats() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor
     from temper.kernels.triton.cross_entropy import log_probs_from_logits
 
     return log_probs_from_logits
+
+
+def _triton_loss_and_grad() -> Callable[
+    [torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]:
+    from temper.kernels.triton.cross_entropy import loss_and_grad
+
+    return loss_and_grad
 
 
 def _triton_grad() -> Callable[..., torch.Tensor]:

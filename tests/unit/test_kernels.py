@@ -272,7 +272,7 @@ def test_layers_and_objective_route_through_the_dispatcher(
         "permute_reference",
         "unpermute_reference",
         "log_probs_from_logits",
-        "logits_grad_reference",
+        "loss_and_grad_reference",
     }
     assert abs(fused_loss - plain_loss) <= 1e-5 * abs(plain_loss)
     for name, grad in plain_grads.items():

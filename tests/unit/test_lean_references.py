@@ -1,7 +1,7 @@
 """The lean references against the plain formulas they replace: RMSNorm and SwiGLU (autograd's
 backward op for op, keeping less) bit for bit in every gradient; RoPE's hand-written backward and
 in-place halves in float64 and its fp32 and bf16 forwards bit for bit; the in-place cross-entropy
-chunk gradient."""
+chunk gradient, and the training loss's chunk that takes statistics and gradient in one pass."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from temper.kernels.cross_entropy import logits_grad_reference
+from temper.kernels.cross_entropy import (
+    log_probs_from_logits,
+    logits_grad_reference,
+    loss_and_grad_reference,
+)
 from temper.kernels.norm import rms_norm_reference
 from temper.kernels.rope import apply_rope_reference
 from temper.kernels.swiglu import swiglu_reference
@@ -127,3 +131,31 @@ def test_logits_grad_in_place_equals_out_of_place_formula(dtype: torch.dtype) ->
     got = logits_grad_reference(chunk, labels, lse, grad_log_probs, grad_lse)
     assert got.data_ptr() == chunk.data_ptr()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
+def test_loss_chunk_gives_the_statistics_bit_for_bit_and_autograds_gradient(
+    dtype: torch.dtype, z_loss_weight: float
+) -> None:
+    """The training loss's one-pass chunk: log p(label) and lse equal to the separate statistics
+    bit for bit (so the loss itself is unchanged), and over the chunk the gradient autograd
+    gives for ``-sum log p + z * sum lse^2`` on valid labels (an ignored label's row is 0)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 50, generator=g) * 3).to(dtype)
+    labels = torch.tensor([3, 0, -100, 49, 7, 3])
+    want_log_probs, want_lse = log_probs_from_logits(logits, labels)
+    leaf = logits.float().requires_grad_()
+    log_probs, lse = log_probs_from_logits(leaf, labels)
+    valid = labels != -100
+    (-log_probs.sum() + z_loss_weight * torch.where(valid, lse, 0.0).pow(2).sum()).backward()
+
+    chunk = logits.clone()
+    got_log_probs, got_lse, grad = loss_and_grad_reference(chunk, labels, z_loss_weight)
+    assert torch.equal(got_log_probs, want_log_probs) and torch.equal(got_lse, want_lse)
+    assert grad.data_ptr() == chunk.data_ptr() and grad.dtype == dtype
+    assert not grad[2].any()
+    if dtype == torch.float32:
+        torch.testing.assert_close(grad, leaf.grad, rtol=0, atol=1e-6)
+    else:  # one bf16 rounding of the fp32 gradient
+        torch.testing.assert_close(grad, leaf.grad.bfloat16(), rtol=0, atol=2**-8)

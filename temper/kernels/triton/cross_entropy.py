@@ -84,3 +84,14 @@ def logits_grad(
         BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), num_warps=8,
     )  # fmt: skip
     return logits
+
+
+def loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As the reference: the statistics, then the training loss's gradient over ``logits``
+    (d loss / d log p = -1 and d loss / d lse = 2 z lse, on valid labels only)."""
+    log_probs, lse = log_probs_from_logits(logits, labels)
+    valid = labels != IGNORE_INDEX
+    grad_lse = 2 * z_loss_weight * torch.where(valid, lse, 0.0)
+    return log_probs, lse, logits_grad(logits, labels, lse, -valid.float(), grad_lse)
