@@ -93,7 +93,7 @@ def test_two_runs_objectives_keep_their_own_kernels(monkeypatch: pytest.MonkeyPa
     model, batch = _tiny_moe(), _packed_batch()
     losses = [objective.loss(model, batch)[0] for objective in (first, second, first)]
     assert fused == [(7, "compile"), (7, "compile")]  # only the first run's, both times
-    assert compiled == ["log_probs_from_logits", "logits_grad_reference"] * 2
+    assert compiled == ["log_probs_from_logits", "loss_and_grad_reference"] * 2
     assert losses[0] == losses[2]
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
 
