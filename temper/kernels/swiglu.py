@@ -18,15 +18,14 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class _SwiGLU(torch.autograd.Function):
     """The formula above, whose backward is autograd's own, op for op (bitwise the same
     gradients), recomputing ``silu(gate)`` instead of keeping it: a [tokens, ffn] tensor per
-    layer. Each product is written over a temporary of its own (IEEE products commute, so
-    the bits are the same), one fresh [tokens, ffn] tensor per output instead of two."""
+    layer."""
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, gate: torch.Tensor, up: torch.Tensor
     ) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        return F.silu(gate).mul_(up)
+        return F.silu(gate) * up
 
     @staticmethod
     def backward(
@@ -35,10 +34,9 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad_gate = grad_up = None
         if ctx.needs_input_grad[0]:
-            grad_gate = grad * up
-            torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+            grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
         if ctx.needs_input_grad[1]:
-            grad_up = F.silu(gate).mul_(grad)
+            grad_up = grad * F.silu(gate)
         return grad_gate, grad_up
 
 
