@@ -23,6 +23,7 @@ from torch.utils.checkpoint import (
 
 import temper.kernels.grouped_gemm  # noqa: F401  (registers torch.ops.temper.grouped_mm)
 from temper.kernels.attention import ATTENTION_OPS
+from temper.models.layers.mlp import keep_products
 from temper.utils.compat import sac_ignores_profiler_annotations
 from temper.utils.recompute import inside_recomputed_whole
 
@@ -48,13 +49,17 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: Checkpoint
     outputs are dropped, an MoE block's routing statistics among them (`MoE.forward`): the
     forward's are the ones the decoder collected.
     `full` passes no context function at all: torch's default, the one Dynamo traces when a
-    block is compiled whole."""
+    block is compiled whole; its feed-forwards keep their SwiGLU product (``keep_products``),
+    so the recomputation stops before their down projection."""
     if mode == "none":
         return
+    blocks = list(blocks)
     context_fn: Callable[[], Any] | None = None
     if mode == "selective":
         sac_ignores_profiler_annotations()
         context_fn = _selective_contexts
+    else:
+        keep_products(blocks)
     for block in blocks:
         block.forward = _checkpointed(block.forward, context_fn)
 

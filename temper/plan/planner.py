@@ -12,6 +12,7 @@ import torch.distributed as dist
 from temper.config import Config, ConfigError, registered_rules
 from temper.data.loader import check_data
 from temper.engine.engine import build_run_model, load_run_tokenizer
+from temper.models.layers.mlp import keep_products
 from temper.models.layers.moe import moe_layers
 from temper.objectives import CausalLM
 from temper.parallel.dims import ParallelDims
@@ -132,6 +133,8 @@ def plan_run(
     plan.flops_per_token = unsharded.flops_per_token(seq_len)
     if dtype != torch.float32:
         unsharded = unsharded.to(dtype)
+    if config.activation_checkpoint.mode == "full":
+        keep_products(unsharded.layers)  # as the run's checkpointed blocks do
     imbalance = ep_imbalance if dims.ep > 1 else None
     plan.activations = measure_activations(
         config,

@@ -24,7 +24,7 @@ from temper.kernels.moe_permute import permute, unpermute
 from temper.kernels.norm import rms_norm
 from temper.kernels.rope import apply_rope
 from temper.kernels.sparse_attention import gather_attention, selected_indices, sparse_attention
-from temper.kernels.swiglu import swiglu
+from temper.kernels.swiglu import swiglu, swiglu_linear
 from temper.models.layers.rope import rope_cos_sin, rope_inv_freq
 from temper.models.layers.sparse_attention import select_top_k
 
@@ -57,6 +57,11 @@ def _norm_inputs(*shape: int) -> Callable[[torch.device, torch.dtype], Inputs]:
 
 def _swiglu_inputs(device: torch.device, dtype: torch.dtype) -> Inputs:
     return tuple(_randn(3, 7, 37, device=device, dtype=dtype, seed=s) for s in (0, 1))
+
+
+def _swiglu_linear_inputs(device: torch.device, dtype: torch.dtype) -> Inputs:
+    weight = _randn(11, 37, device=device, dtype=dtype, seed=2)
+    return *_swiglu_inputs(device, dtype), weight
 
 
 def _rope_inputs(batch_cos: int) -> Callable[[torch.device, torch.dtype], Inputs]:
@@ -137,6 +142,7 @@ CASES = [
     Case("rmsnorm", _norm_inputs(3, 7, 37), lambda t, impl: rms_norm(*t, 1e-6, impl=impl)),
     Case("qk_norm", _norm_inputs(2, 5, 3, 16), lambda t, impl: rms_norm(*t, 1e-5, impl=impl)),
     Case("swiglu", _swiglu_inputs, lambda t, impl: swiglu(*t, impl=impl)),
+    Case("swiglu_linear", _swiglu_linear_inputs, lambda t, impl: swiglu_linear(*t, impl=impl)),
     Case("rope", _rope_inputs(1), lambda t, impl: apply_rope(*t, impl=impl)),
     Case("rope_per_row", _rope_inputs(2), lambda t, impl: apply_rope(*t, impl=impl)),
     Case("moe_permute", _permute_inputs, lambda t, impl: permute(t[0], t[1], 3, impl=impl)),
@@ -248,8 +254,8 @@ def test_layers_and_objective_route_through_the_dispatcher(
 ) -> None:
     """Forcing ``compile`` reaches every op's reference through ``compiled`` (here recording,
     not compiling), the objective takes the fused loss, and loss and gradients stay put. The
-    SwiGLU runs twice per forward: the dense layer's MLP and the routed experts (through
-    the expert dispatcher)."""
+    SwiGLU runs twice per forward: with its down projection in the dense layer's MLP, and alone
+    in the routed experts (through the expert dispatcher)."""
     calls: list[str] = []
 
     def record(fn: Callable[..., object]) -> Callable[..., object]:
@@ -264,10 +270,11 @@ def test_layers_and_objective_route_through_the_dispatcher(
     fused_loss, fused_grads = _loss_and_grads(
         model, batch, Kernels(cross_entropy_chunk=7, **forced)
     )
-    assert calls.count("swiglu_reference") == 2
+    assert calls.count("swiglu_reference") == calls.count("swiglu_linear_reference") == 1
     assert set(calls) == {
         "rms_norm_reference",
         "swiglu_reference",
+        "swiglu_linear_reference",
         "apply_rope_reference",
         "permute_reference",
         "unpermute_reference",

@@ -1,9 +1,12 @@
 """The lean references against the plain formulas they replace: RMSNorm and SwiGLU (autograd's
 backward op for op, keeping less) bit for bit in every gradient; RoPE's hand-written backward and
 in-place halves in float64 and its fp32 and bf16 forwards bit for bit; the in-place cross-entropy
-chunk gradient, and the training loss's chunk that takes statistics and gradient in one pass."""
+chunk gradient, and the training loss's chunk that takes statistics and gradient in one pass; the
+SwiGLU with its down projection, which does not keep their product."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from temper.kernels.cross_entropy import (
 )
 from temper.kernels.norm import rms_norm_reference
 from temper.kernels.rope import apply_rope_reference
-from temper.kernels.swiglu import swiglu_reference
+from temper.kernels.swiglu import swiglu_linear, swiglu_reference
 
 
 def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,6 +72,57 @@ def test_swiglu_gradients_are_the_formulas_bit_for_bit(dtype: torch.dtype) -> No
         results.append((out.detach(), x.grad))
     for lean, naive in zip(*results, strict=True):
         assert torch.equal(lean, naive)
+
+
+def _feed_forward_grads(
+    down: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    dtype: torch.dtype,
+    autocast: bool = False,
+) -> tuple[list[torch.Tensor], int]:
+    """Output and gradients (input, w1, w3, w2) of ``down(x w1, x w3, w2)`` under a random
+    cotangent, and the bytes of the tensors autograd saved for backward, leaves apart."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 33, 64, generator=g).requires_grad_()
+    w1, w3 = (torch.randn(150, 64, generator=g).div(8).to(dtype).requires_grad_() for _ in "13")
+    w2 = torch.randn(64, 150, generator=g).div(12).to(dtype).requires_grad_()
+    leaves = {t.untyped_storage().data_ptr() for t in (x, w1, w3, w2)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in leaves:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", torch.bfloat16, enabled=autocast),
+    ):
+        h = x.to(dtype)
+        out = down(F.linear(h, w1), F.linear(h, w3), w2)
+    out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+    return [out.detach(), x.grad, w1.grad, w3.grad, w2.grad], sum(saved.values())
+
+
+@pytest.mark.parametrize(
+    "dtype,autocast",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["fp32", "bf16", "autocast"],
+)
+def test_swiglu_linear_is_the_module_path_bit_for_bit_without_the_product(
+    dtype: torch.dtype, autocast: bool
+) -> None:
+    """``swiglu_linear`` against ``F.linear(swiglu(gate, up), w2)``: every gradient equal, and
+    autograd keeps exactly one [tokens, hidden] product fewer."""
+    fused, fused_bytes = _feed_forward_grads(swiglu_linear, dtype, autocast)
+    plain, plain_bytes = _feed_forward_grads(
+        lambda gate, up, w2: F.linear(swiglu_reference(gate, up), w2), dtype, autocast
+    )
+    for got, want in zip(fused, plain, strict=True):
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+    compute = torch.bfloat16 if autocast else dtype
+    assert plain_bytes - fused_bytes == 2 * 33 * 150 * compute.itemsize
 
 
 def naive_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
