@@ -3,8 +3,9 @@
 A packed row holds several documents; each token attends only to earlier tokens of its own
 document (block-causal). ``DocumentMask`` describes the documents once per batch, from
 ``position_ids`` that restart at every document, and every backend reads what it needs from
-it: ``sdpa`` a dense boolean mask (the reference, and the CPU training path), ``flex`` a
-FlexAttention ``BlockMask``, ``varlen`` the ``cu_seqlens`` of torch's flash varlen kernel.
+it: ``sdpa`` a dense boolean mask (the reference, and the CPU training path, which runs it in
+chunks of query rows: ``row_chunked``), ``flex`` a FlexAttention ``BlockMask``, ``varlen``
+the ``cu_seqlens`` of torch's flash varlen kernel.
 The mask is built on the full (global) sequence, so sequence-parallel code can slice the
 batch and still hand attention, which sees whole sequences, the same object.
 
@@ -289,6 +290,15 @@ def attention(
     return _BACKENDS[backend](q, k, v, docs, scale, window, sinks)
 
 
+# ATen's CPU flash kernel skips masked-out work only in whole blocks of 512 keys, and none
+# under an explicit mask: for 1024 causal tokens it computes 78% of the score matrix, for
+# packed documents all of it. Rows of queries cut into chunks of this many, each over the keys
+# up to its last row, compute 62.5% (measured: docs/benchmarks.md, "causal work skipped").
+CPU_QUERY_ROWS = 256
+# Beyond this many tokens the kernel's own causal skipping does as well as the chunks.
+CPU_CAUSAL_CHUNKED_UP_TO = 1024
+
+
 def _sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -298,7 +308,16 @@ def _sdpa(
     window: int | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The reference: is_causal without documents, windows or sinks, else an explicit mask."""
+    """The reference: is_causal without documents, windows or sinks, else an explicit mask;
+    on CPU in row chunks where that computes less (``row_chunked``)."""
+    seq_len = q.shape[1]
+    masked = docs is not None or window is not None or sinks is not None
+    if (
+        q.device.type == "cpu"
+        and seq_len > CPU_QUERY_ROWS
+        and (masked or seq_len <= CPU_CAUSAL_CHUNKED_UP_TO)
+    ):
+        return row_chunked(q, k, v, docs, scale, window, sinks, rows=CPU_QUERY_ROWS)
     if docs is not None:
         mask = docs.dense(window)
     elif window is not None or sinks is not None:
@@ -306,6 +325,43 @@ def _sdpa(
     else:
         mask = None
     return _reference(q, k, v, mask, scale, sinks)
+
+
+def row_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    docs: DocumentMask | None,
+    scale: float | None,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    *,
+    rows: int,
+) -> torch.Tensor:
+    """``_sdpa``'s result, computed ``rows`` queries at a time over only the keys they can
+    see: those up to the chunk's last row, from the first that the window (if any) and the
+    documents leave to its first row. Each chunk is the reference on its explicit mask."""
+    seq_len = q.shape[1]
+    chunks = []
+    for start in range(0, seq_len, rows):
+        end = min(start + rows, seq_len)
+        first = 0 if window is None else max(0, start - window + 1)
+        if docs is not None and not torch.compiler.is_compiling():  # a host sync: eager only
+            first = max(first, document_start(docs, start))
+        mask = causal_band(end - start, end - first, window, q.device)
+        if docs is not None:
+            ids = docs.doc_ids
+            mask = ((ids[:, start:end, None] == ids[:, None, first:end]) & mask)[:, None]
+        keys = slice(first, end)
+        chunks.append(_reference(q[:, start:end], k[:, keys], v[:, keys], mask, scale, sinks))
+    return torch.cat(chunks, dim=1)
+
+
+def document_start(docs: DocumentMask, row: int) -> int:
+    """The earliest column, over the batch, of the document that holds column ``row``: no
+    later query sees a key before it, since documents are contiguous."""
+    ids = docs.doc_ids
+    return int((ids[:, :row] < ids[:, row, None]).sum(dim=1).min())
 
 
 def _reference(
@@ -316,8 +372,9 @@ def _reference(
     scale: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """sdpa on [b, s, h, d] tensors, a boolean ``mask`` [b, 1, s_q, s_k] or causal if None;
-    with ``sinks``, the softmax written out so the sink column can join each row."""
+    """sdpa on [b, s, h, d] tensors, a boolean ``mask`` [b, 1, s_q, s_k] (or one that
+    broadcasts to it) or causal if None; with ``sinks``, the softmax written out so the sink
+    column can join each row."""
     if sinks is not None:
         return _with_sink_column(q, k, v, mask, scale, sinks)
     out = F.scaled_dot_product_attention(

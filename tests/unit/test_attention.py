@@ -10,9 +10,13 @@ from temper.config import Config, ConfigError
 from temper.config.config import Model
 from temper.kernels.attention import (
     BACKENDS,
+    CPU_QUERY_ROWS,
     AttentionBackendError,
     DocumentMask,
     attention,
+    causal_band,
+    document_start,
+    row_chunked,
 )
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -79,6 +83,79 @@ def test_sdpa_without_documents_is_causal() -> None:
     q, k, v = _qkv()
     whole = DocumentMask.whole_rows(2, 8, torch.device("cpu"))
     torch.testing.assert_close(attention(q, k, v), attention(q, k, v, whole, backend="sdpa"))
+
+
+def _whole_matrix(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    docs: DocumentMask | None,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """The definition: softmax over every key at once, under the explicit mask (with a sink
+    column when there are sinks), on the math path (one matrix of scores)."""
+    s = q.shape[1]
+    mask = causal_band(s, s, window, q.device) if docs is None else docs.dense(window)
+    groups = q.shape[2] // k.shape[2]
+    keys, values = (t.repeat_interleave(groups, dim=2).transpose(1, 2) for t in (k, v))
+    scores = (q.transpose(1, 2) @ keys.transpose(2, 3)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, -torch.inf)
+    if sinks is not None:
+        sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return (probs @ values).transpose(1, 2)
+
+
+@pytest.mark.parametrize("rows", [3, 8])
+@pytest.mark.parametrize(
+    ("documents", "window", "sinks"),
+    [(False, None, False), (True, None, False), (False, 3, False), (True, 4, True)],
+)
+def test_row_chunks_equal_the_whole_matrix(
+    rows: int, documents: bool, window: int | None, sinks: bool
+) -> None:
+    """Queries a chunk of rows at a time, over the keys up to the chunk's last row (from the
+    window's start): the same output and gradients as one softmax over every key. rows=8
+    with a 10-token sequence leaves a short last chunk."""
+    q, k, v = _qkv(s=10, requires_grad=True)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], [4, 5, 6, 7, 8, 0, 1, 2, 3, 4]])
+    docs = DocumentMask.from_position_ids(positions) if documents else None
+    sink = torch.tensor([0.5, -1.0, 0.0, 2.0]) if sinks else None
+    if documents:  # chunks start at the earliest document start of their first column
+        assert [document_start(docs, row) for row in (3, 6, 8)] == [0, 4, 5]
+    got = row_chunked(q, k, v, docs, None, window, sink, rows=rows)
+    expected = _whole_matrix(q, k, v, docs, window, sink)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (q, k, v), upstream)
+    for g, e in zip(grads, torch.autograd.grad(expected, (q, k, v), upstream), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_row_chunks_equal_eager() -> None:
+    """Under compile the chunks keep every key before them (no host sync for the documents'
+    starts): the same output as eager, which skips the keys of earlier documents."""
+    q, k, v = _qkv(s=10)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], [4, 5, 6, 7, 8, 0, 1, 2, 3, 4]])
+    docs = DocumentMask.from_position_ids(positions)
+    compiled = torch.compile(row_chunked, fullgraph=True)
+    torch.testing.assert_close(
+        compiled(q, k, v, docs, None, None, None, rows=3),
+        row_chunked(q, k, v, docs, None, None, None, rows=3),
+    )
+
+
+def test_cpu_sdpa_at_training_length_equals_the_whole_matrix() -> None:
+    """The dispatcher's CPU path at a length it cuts into row chunks, causal and packed."""
+    s = 2 * CPU_QUERY_ROWS + 7
+    q, k, v = _qkv(s=s, d=8, d_v=8, requires_grad=True)
+    positions = torch.cat([torch.arange(300), torch.arange(s - 300)])
+    for docs in (None, DocumentMask.from_position_ids(torch.stack([positions] * 2))):
+        got = attention(q, k, v, docs, backend="sdpa")
+        torch.testing.assert_close(got, _whole_matrix(q, k, v, docs, None, None))
 
 
 def test_flex_forward_equals_sdpa_on_cpu() -> None:
