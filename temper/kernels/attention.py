@@ -297,6 +297,9 @@ def attention(
 CPU_QUERY_ROWS = 256
 # Beyond this many tokens the kernel's own causal skipping does as well as the chunks.
 CPU_CAUSAL_CHUNKED_UP_TO = 1024
+# The device types whose sdpa runs in row chunks; the memory planner adds "meta" when it plans
+# a CPU run, so its forward on meta saves what the CPU run's chunks save.
+ROW_CHUNKED_DEVICES = frozenset({"cpu"})
 
 
 def _sdpa(
@@ -313,7 +316,7 @@ def _sdpa(
     seq_len = q.shape[1]
     masked = docs is not None or window is not None or sinks is not None
     if (
-        q.device.type == "cpu"
+        q.device.type in ROW_CHUNKED_DEVICES
         and seq_len > CPU_QUERY_ROWS
         and (masked or seq_len <= CPU_CAUSAL_CHUNKED_UP_TO)
     ):

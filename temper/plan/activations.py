@@ -24,11 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from temper.config import Config
+from temper.kernels import attention as attention_kernels
 from temper.kernels.dispatch import Kernels, resolve_kernels
+from temper.models.layers.context import ForwardContext, SequenceMixer, local_core
 from temper.models.layers.experts import Experts
 from temper.models.layers.moe import moe_layers
 from temper.objectives import Objective
 from temper.parallel.activation_checkpoint import SAVED_OPS
+from temper.parallel.ulysses import sequence_mixers
 from temper.utils.compat import TorchDispatchMode
 
 
@@ -77,8 +80,8 @@ class Activations:
     blocks: list[BlockActivations] = field(default_factory=list)
     outside: int = 0
     attention_io: int = 0
-    """Bytes of q, k, v and output per micro-batch over all attention layers: what Ulysses'
-    all-to-alls move."""
+    """Bytes of q, k, v, the other per-head inputs and the output per micro-batch over all
+    token mixers (attention, Gated DeltaNet): what Ulysses' all-to-alls move."""
     attention_kv: int = 0
     """Of those, the bytes of k and v: what ring attention passes around the CP ranks."""
     leading: int = 0
@@ -180,21 +183,25 @@ class _KeptOutputs(TorchDispatchMode):
 
 class _FlashAttentionShapes(torch.autograd.Function):
     """What a flash-style kernel (CUDA flash/varlen, CPU's fused sdpa) saves: q, k, v, the
-    output and the fp32 log-sum-exp per query and head; never the [s, s] scores that sdpa's
+    output, the fp32 log-sum-exp per query and head, and an explicit mask as the additive
+    bias in q's dtype that sdpa turns a boolean one into; never the [s, s] scores that sdpa's
     decomposition on meta would build."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:  # noqa: ANN001
         b, h, s, _ = q.shape  # the output in the kernels' [b, s, h, d] memory layout
         out = q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
+        bias = () if mask is None else (mask.to(q.dtype),)
+        ctx.save_for_backward(q, k, v, out, lse, *bias)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
 _SDPA = F.scaled_dot_product_attention
@@ -253,18 +260,32 @@ class _Measure:
         kernel's shapes where the device has one, else sdpa's math decomposition; under
         sequence parallelism on Ulysses' shapes (a rank's heads over the whole sequence, so
         the math path's [s, s] scores are whole), the exchanges' outputs kept."""
-        io = sum(t.nbytes for t in (q, k, v)) + q.nbytes // q.shape[-1] * v.shape[-1]
-        self.activations.attention_io += io
-        self.activations.attention_kv += k.nbytes + v.nbytes
         shape = (*q.shape[:-1], v.shape[-1])
         if self.sp > 1:
             q, k, v = (self.exchange(t, _heads_for_sequence(t, self.sp)) for t in (q, k, v))
         if fused_attention_runs(q, k, v, self.device):
-            out = _FlashAttentionShapes.apply(q, k, v)
+            out = _FlashAttentionShapes.apply(q, k, v, kwargs.get("attn_mask"))
         else:
             out = _SDPA(q, k, v, **kwargs)  # type: ignore[arg-type]
         self.add_kept(self.kept_storages.bytes_of(out))
         return self.exchange(out, shape) if self.sp > 1 else out
+
+    def core(
+        self,
+        mixer: SequenceMixer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        *heads: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every token mixer's sequence core: ``local_core``, counting what Ulysses'
+        all-to-alls would move (q, k, v, the per-head inputs and the output) and what ring
+        attention would pass around (k and v), once per layer however its attention runs."""
+        out = local_core(mixer, q, k, v, ctx, *heads)
+        self.activations.attention_io += sum(t.nbytes for t in (q, k, v, *heads, out))
+        self.activations.attention_kv += k.nbytes + v.nbytes
+        return out
 
     def dispatch(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Stands in for EP's ``AllToAllDispatcher`` on a rank that receives ``imbalance``
@@ -329,6 +350,15 @@ def planned_kernels(kernels: Kernels, device: str) -> Kernels:
     return replace(kernels, cross_entropy_chunk=kernels.chunk_tokens(torch.device(device)))
 
 
+def _row_chunked(device: str, whole_sequences: bool) -> frozenset[str]:
+    """The device types whose sdpa runs in row chunks while planning for ``device``: meta
+    joins them when the planned device is one and the forward on meta sees whole sequences,
+    as the run's attention does (under SP it sees a rank's slice, exchanged inside sdpa's
+    stand-in; under CP the run's ring attention takes no chunks)."""
+    chunked = attention_kernels.ROW_CHUNKED_DEVICES
+    return chunked | {"meta"} if device in chunked and whole_sequences else chunked
+
+
 def measure_activations(
     config: Config,
     model: nn.Module,
@@ -337,14 +367,17 @@ def measure_activations(
     device: str = "cuda",
     ep_imbalance: float | None = None,
     sp: int = 1,
+    cp: int = 1,
 ) -> Activations:
     """Run ``objective.loss`` once on ``model`` (on meta, unsharded, not checkpointed) over a
     micro-batch of ``tokens`` = (rows, sequence length) of one document each and count what
     it saves. Attention counts as a flash-style kernel's (``_FlashAttentionShapes``) where
-    ``device`` runs one (``fused_attention_runs``), else as sdpa's math path. With
+    ``device`` runs one (``fused_attention_runs``), else as sdpa's math path, in the row
+    chunks ``device``'s sdpa runs in (``ROW_CHUNKED_DEVICES``). With
     ``ep_imbalance`` the experts sit behind an expert-parallel dispatch whose rank receives
     that many times the rows it sends (``_Measure.dispatch``); with ``sp`` attention runs on
-    Ulysses' shapes (``_Measure.attention``)."""
+    Ulysses' shapes (``_Measure.attention``); ``cp``, the tokens being one CP rank's, only
+    keeps sdpa's row chunks out."""
     model.use_kernels(resolve_kernels(config.kernels, torch.device("meta")))
     model.attn_backend = "sdpa"
     rows, length = tokens
@@ -356,9 +389,18 @@ def measure_activations(
             moe.use_dispatcher(measure.dispatch)
     hooks = torch.autograd.graph.saved_tensors_hooks(measure.pack, lambda t: t)
     attention = mock.patch.object(F, "scaled_dot_product_attention", measure.attention)
+    chunked = _row_chunked(device, whole_sequences=sp == cp == 1)
+    chunks = mock.patch.object(attention_kernels, "ROW_CHUNKED_DEVICES", chunked)
+    mixers = sequence_mixers(model)
+    for mixer in mixers:
+        mixer.sequence_core = measure.core
     model.train()
-    with measure.blocks(list(model.layers)), hooks, attention, _KeptOutputs(measure):
-        objective.loss(model, batch)
+    try:
+        with measure.blocks(list(model.layers)), hooks, attention, chunks, _KeptOutputs(measure):
+            objective.loss(model, batch)
+    finally:
+        for mixer in mixers:
+            mixer.sequence_core = local_core
     if measure.after_blocks is not None:
         measure.activations.loss_peak = measure.after_blocks.peak
     return measure.activations

@@ -144,6 +144,7 @@ def plan_run(
         device,
         imbalance,
         dims.sp,
+        dims.cp,
     )
     block_grads = _block_param_bytes(unsharded, dims.fsdp)
     shards = list(params.values())
@@ -265,10 +266,10 @@ def communication(
     EP's all-to-alls run twice in forward (dispatch, combine) and twice in backward, again
     in a full checkpoint's recomputation: the busiest rank receives ``ep_imbalance`` times
     its share in the dispatch and its backward, its share in the combine and its backward;
-    Ulysses exchanges q, k, v and the output; ring attention passes k and v to the next CP
-    rank cp - 1 times in forward (again in a full checkpoint's recomputation) and in
-    backward, with their fp32 gradients cp times. ``routed_width``: MoE layers x top_k x
-    model width, the elements a token sends."""
+    Ulysses exchanges each token mixer's q, k, v, per-head inputs and output; ring attention
+    passes k and v to the next CP rank cp - 1 times in forward (again in a full
+    checkpoint's recomputation) and in backward, with their fp32 gradients cp times.
+    ``routed_width``: MoE layers x top_k x model width, the elements a token sends."""
     comm = Communication()
     compute = torch.empty((), dtype=plan.compute_dtype).element_size()
     micro = plan.grad_accum

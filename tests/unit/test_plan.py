@@ -97,25 +97,35 @@ def saved_bytes_on_cpu(model: nn.Module, ids: torch.Tensor, objective: CausalLM)
     return totals["in"], totals["out"]
 
 
-@pytest.mark.parametrize("recipe", ["llama3_debug", "qwen3_moe_debug", "deepseek_v3_debug"])
-def test_meta_activations_equal_what_a_real_forward_saves(recipe) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "seq_len"),
+    [
+        ("llama3_debug", 32),
+        ("qwen3_moe_debug", 32),
+        ("deepseek_v3_debug", 32),
+        ("llama3_debug", 600),
+        ("deepseek_v3_debug", 600),
+    ],
+)
+def test_meta_activations_equal_what_a_real_forward_saves(recipe, seq_len) -> None:
     """On CPU: MLA's values are shorter than its keys, so sdpa takes its math path and saves
-    the [s, s] softmax; the plan counts that too."""
+    the softmax; the plan counts that too, and at 600 tokens in the row chunks the CPU run
+    takes (three, the last 88 rows), whether flash (Llama) or math (MLA) runs each."""
     config = config_of(recipe)
     model = build_run_model(config, load_run_tokenizer(config))
     objective = CausalLM(kernels=planned_kernels(config.kernels, "cpu"))
-    measured = measure_activations(config, model, objective, (2, 32), "cpu")
+    measured = measure_activations(config, model, objective, (2, seq_len), "cpu")
     real = build_run_model(config, load_run_tokenizer(config)).to_empty(device="cpu")
     real.init_weights()
     real.attn_backend = "sdpa"
     torch.manual_seed(0)
-    ids = torch.randint(0, 600, (2, 32))
+    ids = torch.randint(0, 600, (2, seq_len))
     inside, outside = saved_bytes_on_cpu(real, ids, objective)
     # The one difference: the real grouped GEMM also saves its [n_experts] int32 offsets.
     offsets = sum(4 * m.n_experts for m in moe_layers(real).values())
     assert sum(b.saved for b in measured.blocks) == inside - offsets
     assert measured.outside == outside
-    assert all(b.input == 2 * 32 * real.args.dim * 4 for b in measured.blocks)
+    assert all(b.input == 2 * seq_len * real.args.dim * 4 for b in measured.blocks)
 
 
 def test_communication_by_hand(fake_world) -> None:
@@ -163,6 +173,21 @@ def test_ring_attention_by_hand() -> None:
     kv = args.n_layers * 2 * (2 * 16 * args.n_kv_heads * head_dim * 4)
     assert plan.communication.ring_cp == pytest.approx(plan.grad_accum * kv * (2 + 2))
     assert plan.communication.all_to_all_sp == 0
+
+
+def test_ulysses_all_to_all_by_hand() -> None:
+    """SP 2 on 600 tokens: per micro-batch each layer's q, k, v and output at a rank's 300
+    tokens go out once forward and once backward, half to the other rank; counted once per
+    layer although CPU attention runs in row chunks."""
+    config = config_of("llama3_debug", "--parallelism.sp", "2", "--training.seq_len", "600")
+    plan = plan_run(config, 2, "cpu")
+    rows, length = plan.tokens
+    assert plan.errors == [] and length == 300
+    args = build_run_model(config, load_run_tokenizer(config)).args
+    head_dim = args.dim // args.n_heads
+    per_layer = rows * length * head_dim * 4 * (2 * args.n_heads + 2 * args.n_kv_heads)
+    expected = plan.grad_accum * 2 * args.n_layers * per_layer / 2
+    assert plan.communication.all_to_all_sp == pytest.approx(expected)
 
 
 def test_cp_with_sp_plans_each_ranks_slice() -> None:
