@@ -259,10 +259,15 @@ class _Measure:
         """Stands in for ``F.scaled_dot_product_attention`` ([b, h, s, d] operands): a fused
         kernel's shapes where the device has one, else sdpa's math decomposition; under
         sequence parallelism on Ulysses' shapes (a rank's heads over the whole sequence, so
-        the math path's [s, s] scores are whole), the exchanges' outputs kept."""
+        the math path's [s, s] scores are whole), the exchanges' outputs kept, and an
+        explicit mask (sparse attention's selection, built here for a rank's slice) at the
+        whole sequence's size."""
         shape = (*q.shape[:-1], v.shape[-1])
         if self.sp > 1:
             q, k, v = (self.exchange(t, _heads_for_sequence(t, self.sp)) for t in (q, k, v))
+            mask = kwargs.get("attn_mask")
+            if isinstance(mask, torch.Tensor):
+                kwargs["attn_mask"] = mask.new_empty(*mask.shape[:-2], q.shape[-2], k.shape[-2])
         if fused_attention_runs(q, k, v, self.device):
             out = _FlashAttentionShapes.apply(q, k, v, kwargs.get("attn_mask"))
         else:

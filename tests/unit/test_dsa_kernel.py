@@ -150,3 +150,23 @@ def test_dry_run_counts_the_sparse_work() -> None:
         model = DeepseekV32Transformer(dataclasses.replace(args, indexer_training="sparse"))
     assert plan.flops_per_token == model.flops_per_token(256)
     assert plan.flops_per_token < DeepseekV3Transformer.flops_per_token(model, 256)
+
+
+def test_dry_run_under_sequence_parallelism() -> None:
+    """SP 2 on 256 tokens: the shape-only forward gives the selection's mask the whole
+    sequence's size once the exchange has gathered it (the planner failed on the rank's
+    slice's before), and Ulysses moves each layer's q, k, v and output once forward and once
+    backward, half to the other rank, at a rank's 128 tokens."""
+    from temper.config import load_config
+    from temper.plan import plan_run
+
+    argv = ["--parallelism.sp", "2"]
+    config = load_config("temper.recipes.deepseek_v32", "deepseek_v32_debug", argv, validate=False)
+    plan = plan_run(config, 2, "cpu")
+    rows, length = plan.tokens
+    assert plan.errors == [] and length == config.training.seq_len // 2
+    args = get_model_spec("deepseek_v32").flavors["debug"]
+    qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+    per_layer = rows * length * args.n_heads * (2 * qk + 2 * args.v_head_dim) * 4
+    expected = plan.grad_accum * 2 * args.n_layers * per_layer / 2
+    assert plan.communication.all_to_all_sp == pytest.approx(expected)
