@@ -2,6 +2,7 @@
 
     python -m bench.attention_rows                       # 4096 tokens a batch, seq 512-4096
     python -m bench.attention_rows --seq-lens 1024 --repeats 7
+    python -m bench.attention_rows --seq-lens 1024 --rows 128 256   # chunk sizes side by side
 
 torch's CPU flash kernel skips masked-out work only in whole 512-key blocks, and none under
 an explicit mask; ``row_chunked`` runs chunks of ``CPU_QUERY_ROWS`` queries over the keys
@@ -25,8 +26,11 @@ from temper.kernels.attention import CPU_QUERY_ROWS, DocumentMask, row_chunked
 HEADS, KV_HEADS, HEAD_DIM, DOCUMENT = 8, 4, 64, 300
 
 
-def forms(seq_len: int, tokens: int, packed: bool) -> dict[str, Callable[[], None]]:
-    """The one-call reference and the row chunks, each as ``step()``: forward and backward."""
+def forms(
+    seq_len: int, tokens: int, packed: bool, chunk_rows: list[int]
+) -> dict[str, Callable[[], None]]:
+    """The one-call reference and the row chunks of each size in ``chunk_rows``, each as
+    ``step()``: forward and backward."""
     batch = max(1, tokens // seq_len)
     q, k, v = (
         torch.randn(batch, seq_len, heads, HEAD_DIM, requires_grad=True)
@@ -45,10 +49,10 @@ def forms(seq_len: int, tokens: int, packed: bool) -> dict[str, Callable[[], Non
             *heads_first, attn_mask=mask, is_causal=mask is None, enable_gqa=True
         ).transpose(1, 2).backward(upstream)
 
-    def chunks() -> None:
-        row_chunked(q, k, v, docs, None, None, None, rows=CPU_QUERY_ROWS).backward(upstream)
+    def chunks(rows: int) -> Callable[[], None]:
+        return lambda: row_chunked(q, k, v, docs, None, None, None, rows=rows).backward(upstream)
 
-    return {"one call": one_call, f"rows of {CPU_QUERY_ROWS}": chunks}
+    return {"one call": one_call} | {f"rows of {rows}": chunks(rows) for rows in chunk_rows}
 
 
 def measure(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
@@ -69,20 +73,22 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per batch")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[CPU_QUERY_ROWS], help="query rows per chunk"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
-    print("| rows | seq | batch | one call ms | row chunks ms | chunks / one call |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    chunk_columns = "".join(f" rows of {r} ms | / one call |" for r in args.rows)
+    print(f"| rows | seq | batch | one call ms |{chunk_columns}")
+    print("| --- | ---: | ---: | ---: |" + " ---: | ---: |" * len(args.rows))
     for packed in (False, True):
         for seq_len in args.seq_lens:
-            one, rows = measure(forms(seq_len, args.tokens, packed), args.repeats).values()
+            step = forms(seq_len, args.tokens, packed, args.rows)
+            one, *chunked = measure(step, args.repeats).values()
             kind = "packed" if packed else "causal"
             batch = max(1, args.tokens // seq_len)
-            print(
-                f"| {kind} | {seq_len} | {batch} | {one * 1e3:.0f} | {rows * 1e3:.0f} "
-                f"| {rows / one:.2f} |",
-                flush=True,
-            )
+            cells = "".join(f" {t * 1e3:.0f} | {t / one:.2f} |" for t in chunked)
+            print(f"| {kind} | {seq_len} | {batch} | {one * 1e3:.0f} |{cells}", flush=True)
 
 
 if __name__ == "__main__":
