@@ -83,7 +83,8 @@ class Activations:
     """Bytes of q, k, v, the other per-head inputs and the output per micro-batch over all
     token mixers (attention, Gated DeltaNet): what Ulysses' all-to-alls move."""
     attention_kv: int = 0
-    """Of those, the bytes of k and v: what ring attention passes around the CP ranks."""
+    """The attention layers' k and v bytes: what ring attention passes around the CP ranks
+    (Gated DeltaNet passes its state instead)."""
     leading: int = 0
     """Of ``outside``, what is saved before the blocks end (the embedding's)."""
     loss_peak: int = 0
@@ -188,9 +189,9 @@ class _FlashAttentionShapes(torch.autograd.Function):
     decomposition on meta would build."""
 
     @staticmethod
-    def forward(
+    def forward(  # noqa: ANN001
         ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:  # noqa: ANN001
+    ) -> torch.Tensor:
         b, h, s, _ = q.shape  # the output in the kernels' [b, s, h, d] memory layout
         out = q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
@@ -261,7 +262,9 @@ class _Measure:
         sequence parallelism on Ulysses' shapes (a rank's heads over the whole sequence, so
         the math path's [s, s] scores are whole), the exchanges' outputs kept, and an
         explicit mask (sparse attention's selection, built here for a rank's slice) at the
-        whole sequence's size."""
+        whole sequence's size. Counts k and v for ring attention here, where only attention
+        runs (one call per layer under CP, which takes no row chunks)."""
+        self.activations.attention_kv += k.nbytes + v.nbytes
         shape = (*q.shape[:-1], v.shape[-1])
         if self.sp > 1:
             q, k, v = (self.exchange(t, _heads_for_sequence(t, self.sp)) for t in (q, k, v))
@@ -285,11 +288,10 @@ class _Measure:
         *heads: torch.Tensor,
     ) -> torch.Tensor:
         """Every token mixer's sequence core: ``local_core``, counting what Ulysses'
-        all-to-alls would move (q, k, v, the per-head inputs and the output) and what ring
-        attention would pass around (k and v), once per layer however its attention runs."""
+        all-to-alls would move (q, k, v, the per-head inputs and the output) once per layer,
+        however many sdpa calls its attention makes."""
         out = local_core(mixer, q, k, v, ctx, *heads)
         self.activations.attention_io += sum(t.nbytes for t in (q, k, v, *heads, out))
-        self.activations.attention_kv += k.nbytes + v.nbytes
         return out
 
     def dispatch(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -397,6 +399,7 @@ def measure_activations(
     chunked = _row_chunked(device, whole_sequences=sp == cp == 1)
     chunks = mock.patch.object(attention_kernels, "ROW_CHUNKED_DEVICES", chunked)
     mixers = sequence_mixers(model)
+    cores = [mixer.sequence_core for mixer in mixers]
     for mixer in mixers:
         mixer.sequence_core = measure.core
     model.train()
@@ -404,8 +407,8 @@ def measure_activations(
         with measure.blocks(list(model.layers)), hooks, attention, chunks, _KeptOutputs(measure):
             objective.loss(model, batch)
     finally:
-        for mixer in mixers:
-            mixer.sequence_core = local_core
+        for mixer, core in zip(mixers, cores, strict=True):
+            mixer.sequence_core = core
     if measure.after_blocks is not None:
         measure.activations.loss_peak = measure.after_blocks.peak
     return measure.activations

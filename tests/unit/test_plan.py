@@ -175,6 +175,25 @@ def test_ring_attention_by_hand() -> None:
     assert plan.communication.all_to_all_sp == 0
 
 
+def test_ring_passes_only_attention_layers_kv() -> None:
+    """Qwen3.5 debug, CP 2 on 64 tokens (a rank's 32): the ring passes k and v of its one
+    full-attention layer; its three Gated DeltaNet layers pass their state, not k and v."""
+    config = load_config(
+        "temper.recipes.qwen3_5",
+        "qwen3_5_debug",
+        ["--parallelism.cp", "2", "--training.seq_len", "64"],
+        validate=False,
+    )
+    plan = plan_run(config, 2, "cpu")
+    rows, length = plan.tokens
+    assert plan.errors == [] and length == 32
+    args = build_run_model(config, load_run_tokenizer(config)).args
+    attention_layers = args.layer_types.count("full_attention")
+    assert attention_layers == 1 < args.n_layers
+    kv = attention_layers * 2 * (rows * length * args.n_kv_heads * args.head_dim * 4)
+    assert plan.communication.ring_cp == pytest.approx(plan.grad_accum * kv * (2 + 2))
+
+
 def test_ulysses_all_to_all_by_hand() -> None:
     """SP 2 on 600 tokens: per micro-batch each layer's q, k, v and output at a rank's 300
     tokens go out once forward and once backward, half to the other rank; counted once per
