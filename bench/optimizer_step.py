@@ -123,7 +123,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="keep this many blocks; 0 = all")
     parser.add_argument("--world", default="1,2", help="comma-separated FSDP sizes")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps, the first warms up")
-    parser.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--ns-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="Newton-Schulz dtype; auto as the trainer: bfloat16 on CUDA, float32 on CPU",
+    )
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism when ranks > 1")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one rank only)")
     args = parser.parse_args()
@@ -132,8 +137,10 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
     from harness import run_on_ranks
 
+    from temper.optim.optimizer import newton_schulz_dtype
+
     layers = f", {args.layers} blocks" if args.layers else ""
-    ns = f"Newton-Schulz {args.ns_dtype}"
+    ns = f"Newton-Schulz {newton_schulz_dtype(args.ns_dtype, torch.device(args.device))}"
     print(f"{args.model}{layers}, fp32 {args.device}, {ns}, torch {torch.__version__}\n")
     print(
         "| ranks | optimizer | step (s) | vs AdamW | CPU s/rank | state MiB/rank "

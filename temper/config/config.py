@@ -126,9 +126,10 @@ class Optimizer:
     """muon: orthogonalize the Nesterov look-ahead of the momentum instead of the momentum."""
     muon_ns_steps: int = 5
     """muon: quintic Newton-Schulz iterations."""
-    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """muon: dtype of the Newton-Schulz iteration (bfloat16 as torch.optim.Muon; float32 is
-    slower and repeats across layouts to fp32 precision)."""
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """muon: dtype of the Newton-Schulz iteration: auto = bfloat16 (as torch.optim.Muon) on CUDA
+    and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs, which emulate bfloat16 products
+    (many times slower); float32 also repeats across layouts to fp32 precision."""
     muon_update_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """muon: lr multiplier per matrix: match_rms_adamw (Moonlight) gives the update AdamW's
     RMS, muon_update_rms (lr and weight decay tuned for AdamW carry over); original (Keller
