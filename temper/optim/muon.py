@@ -6,7 +6,8 @@ value of the (Nesterov) momentum toward one, so no direction of a matrix dominat
 It is defined for matrices; embeddings, the LM head, norms, biases and routers keep AdamW.
 
 The math is `torch.optim.Muon`'s (momentum as an EMA, ``grad.lerp(buf, momentum)`` for
-Nesterov, Newton-Schulz in bfloat16 by default, decoupled weight decay with the unscaled lr),
+Nesterov, Newton-Schulz in bfloat16 unless told otherwise, decoupled weight decay with the
+unscaled lr; the trainer's ``muon_ns_dtype auto`` picks float32 on a CPU without bfloat16 units),
 extended to stacked experts (``[n_experts, out, in]``: each expert's matrix orthogonalized on
 its own) and to sharded parameters: a row-sharded (FSDP) matrix is orthogonalized once, by one
 rank, from its whole update (`RowShardedMatrices`); a rank holding whole matrices (one process,
