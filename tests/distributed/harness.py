@@ -62,7 +62,11 @@ def run_on_ranks(
                     raise RuntimeError("; ".join(dead)) from None
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+                failures = {rank: value, **_other_failures(results, world_size - len(done) - 1)}
+                report = "\n".join(
+                    f"rank {r} of {world_size} failed:\n{failures[r]}" for r in sorted(failures)
+                )
+                raise RuntimeError(report)
             done[rank] = pickle.loads(value)
         for proc in procs:
             proc.join(timeout=60)
@@ -72,6 +76,25 @@ def run_on_ranks(
                 proc.kill()
                 proc.join()
     return [done[rank] for rank in range(world_size)]
+
+
+def _other_failures(
+    results: queue.Queue[tuple[int, bool, Any]], pending: int, wait: float = 10.0
+) -> dict[int, str]:
+    """The tracebacks of the ranks still to report that fail within ``wait`` seconds: one
+    rank's failure often shows on its peers first, as a closed connection, and the report
+    should name the cause, not only its echo."""
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + wait
+    while pending and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            break
+        pending -= 1
+        if not ok:
+            failures[rank] = value
+    return failures
 
 
 _PRELOAD = ["torch", "torch.distributed", "temper.trainer.trainer", "training"]
