@@ -127,7 +127,7 @@ def main() -> None:
         "--ns-dtype",
         default="auto",
         choices=["auto", "bfloat16", "float32"],
-        help="Newton-Schulz dtype; auto as the trainer: bfloat16 on CUDA, float32 on CPU",
+        help="Newton-Schulz dtype; auto resolves as the trainer's optimizer.muon_ns_dtype auto",
     )
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism when ranks > 1")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one rank only)")

@@ -113,14 +113,14 @@ def test_newton_schulz_runs_in_bfloat16_only_where_the_hardware_multiplies_it(
     """``auto``: bfloat16 on CUDA and on a CPU with AVX512-BF16 or AMX, float32 on a CPU that
     emulates bfloat16 products; an explicit choice is kept; the trainer's Muon gets it."""
     cpu = torch.device("cpu")
+    assert newton_schulz_dtype("auto", torch.device("cuda")) == "bfloat16"
+    assert newton_schulz_dtype("float32", torch.device("cuda")) == "float32"
+    assert newton_schulz_dtype("bfloat16", cpu) == "bfloat16"
     for bf16, amx, expected in [(False, False, "float32"), (True, False, "bfloat16"),
                                 (False, True, "bfloat16")]:  # fmt: skip
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda bf16=bf16: bf16)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
         assert newton_schulz_dtype("auto", cpu) == expected
-        assert newton_schulz_dtype("auto", torch.device("cuda")) == "bfloat16"
-        assert newton_schulz_dtype("float32", torch.device("cuda")) == "float32"
-        assert newton_schulz_dtype("bfloat16", cpu) == "bfloat16"
         model = materialize(build_model("llama3", "debug"), "cpu")
         optimizer = build_optimizer(model, OptimizerConfig(name="muon"))
         assert [g["ns_dtype"] for g in optimizer.param_groups if g["algorithm"] == "muon"] == [
