@@ -50,7 +50,8 @@ def test_expert_and_sequence_parallel_dsa_trains_like_one_process(
         assert_same_metrics(run.rows, reference.rows)
         # The KL (3e-4 by step 3) is a small difference of larger terms, and the indexers
         # train on it: the runs' 1e-7 differences in the weights reach it at 5.4e-5 relative
-        # by step 5 (measured; 1e-7 at step 1), while loss and grad norm stay within 1e-5.
+        # by step 5 (measured when these runs took 5 steps; 1e-7 at step 1), while loss and
+        # grad norm stay within 1e-5.
         for row, ref in zip(run.rows, reference.rows, strict=True):
             assert row["indexer_kl"] == pytest.approx(ref["indexer_kl"], rel=1e-4)
     # The indexers learn: their KL toward the main attention falls over the run.

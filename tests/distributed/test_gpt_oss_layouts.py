@@ -1,6 +1,6 @@
 """gpt-oss trains under expert, sequence and data parallelism as one process does (gloo, CPU).
 
-The debug recipe at half its learning rate, fp32, random init, 5 steps of 8 sequences of 32
+The debug recipe at half its learning rate, fp32, random init, 3 steps of 8 sequences of 32
 tokens: twice its 16-token window, so the sliding layers drop keys and Ulysses' ranks see
 windows that cross the sequence split. Each layout's losses and gradient norms are within 1e-5
 of one process training the same global micro-batch (the load-balancing loss is not a sum over
@@ -33,7 +33,8 @@ def _config(folder: Path, layout: Layout) -> Config:
     config = parity_config(gpt_oss_debug, folder, layout)
     config.training.seq_len = SEQ_LEN
     # Half the recipe's 2e-3: at 2e-3 the gradient norm jumps 2.9 -> 7.5 at step 5 on these
-    # rows, and SP 2's 1e-7 rounding (same tokens every micro-batch) grew to 1.2e-5 there.
+    # rows (measured when these runs took 5 steps), and SP 2's 1e-7 rounding (same tokens
+    # every micro-batch) grew to 1.2e-5 there.
     config.optimizer.lr = 1e-3
     return config
 

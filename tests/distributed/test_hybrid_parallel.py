@@ -7,7 +7,7 @@ load-balancing term) and every parameter's gradient equal one process's on the u
 
 ``test_layouts_train_like_one_process`` (slow): Qwen3.5-MoE's debug recipe at SP 2,
 SP 2 x FSDP 2, EP 2 and SP 2 x EP 2, and Qwen3-Next's at SP 2: every step's loss and
-gradient norm over 5 steps of 8 x 32 tokens within 1e-5 relative of one process training the
+gradient norm over 3 steps of 8 x 32 tokens within 1e-5 relative of one process training the
 same global micro-batches (``training.py``); and at SP 2 x EP 2 with compiled, selectively
 checkpointed blocks.
 """
@@ -171,7 +171,7 @@ def _padded_batch_rank(family: str) -> tuple[dict[str, Any], dict[str, Any]] | N
 def test_hf_folder_trains_at_sp2_ep2_like_one_process(layout: Layout, tmp_path: Path) -> None:
     """`--model.hf_path` on a folder transformers wrote (`Qwen3_5MoeForCausalLM`, random, the
     built-in tokenizer's vocabulary): SP 2 x EP 2, on 2 ranks and on 4 (`NGPU=4`), trains the
-    single process's losses and gradient norms over 5 steps, both starting from the
+    single process's losses and gradient norms over 3 steps, both starting from the
     folder's weights."""
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
 

@@ -1,6 +1,6 @@
 """DeepSeek V3 with multi-token prediction trains under expert parallelism as one process does.
 
-The debug recipe with one MTP depth (``deepseek_v3_debug_mtp``), fp32, random init, 5 steps
+The debug recipe with one MTP depth (``deepseek_v3_debug_mtp``), fp32, random init, 3 steps
 of 8 sequences of 32 tokens. EP 2 over two ranks (which also shards every other weight by
 FSDP 2, the draft depth's included, and routes the depth's MoE by all-to-all) gives every
 step's loss (main + weighted draft loss), gradient norm, draft loss and draft accuracy of one

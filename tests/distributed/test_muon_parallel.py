@@ -28,7 +28,7 @@ from temper.recipes.qwen3 import qwen3_moe_debug
 def with_muon(config: Config) -> Config:
     config.optimizer.name = "muon"
     config.optimizer.muon_ns_dtype = "float32"
-    config.optimizer.lr = 3e-3  # large enough that five steps move the loss a lot
+    config.optimizer.lr = 3e-3  # large enough that three steps move the loss a lot
     config.lr_scheduler.warmup_steps = 1
     return config
 

@@ -8,7 +8,7 @@ its tokens; the loss and every parameter's gradient (the tower's included) equal
 process's on the whole batch.
 
 ``test_layouts_train_like_one_process`` (slow): the debug VLM recipes at FSDP 2, SP 2 and
-SP 2 x EP 2 (the MoE language model): every step's loss and gradient norm over 5 steps
+SP 2 x EP 2 (the MoE language model): every step's loss and gradient norm over 3 steps
 within 1e-5 relative of one process training the same global micro-batches.
 """
 
