@@ -18,6 +18,8 @@ from temper.generation.engines import RolloutEngine, SamplingParams
 from temper.generation.engines.vllm import as_generation, served_weights
 from temper.generation.engines.vllm_client import Completion
 from temper.generation.engines.vllm_server import (
+    ManagedServer,
+    ServerSettings,
     VLLMStartupError,
     check_environment,
     find_python,
@@ -38,6 +40,22 @@ def _fake_python(folder: Path, answer: str) -> str:
 def test_a_missing_interpreter_names_the_setup_script(tmp_path: Path) -> None:
     with pytest.raises(VLLMStartupError, match="rollout.vllm_python.*setup_vllm.sh"):
         find_python(str(tmp_path / "nope" / "python"))
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu", "cuda"])
+def test_the_server_environment_turns_on_what_temper_calls(tmp_path: Path, cpu: bool) -> None:
+    """The development endpoints always; on CPU the model runner in the engine's process
+    (one Python process fewer to start), unless the user's environment says otherwise."""
+    settings = ServerSettings(
+        python="python", model=str(tmp_path), dtype="float32", max_model_len=64,
+        kv_cache_bytes=2**28, log=tmp_path / "vllm.log", startup_timeout_s=1, port=1, cpu=cpu,
+    )  # fmt: skip
+    server = ManagedServer(settings)
+    env = server.environment({"PATH": "/bin", "VLLM_SERVER_DEV_MODE": "0"})
+    assert env["PATH"] == "/bin" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == ("0" if cpu else None)
+    mine = server.environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert mine["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_an_unknown_vllm_release_is_refused(tmp_path: Path) -> None:

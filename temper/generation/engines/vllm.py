@@ -213,7 +213,8 @@ def start_vllm(settings: VLLMSettings, model: nn.Module, weights: Weights) -> VL
         architectures = adapter_of(model).args_to_hf(model.args)["architectures"]
         check_environment(python, architectures)
         folder.mkdir(parents=True, exist_ok=True)
-        dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
+        dtype = first.dtype
         write_hf_config(folder, model, dtype)
         write_weights(folder, served_weights(weights, tied)(), settings.bucket_bytes)
         server = ManagedServer(
@@ -227,6 +228,7 @@ def start_vllm(settings: VLLMSettings, model: nn.Module, weights: Weights) -> VL
                 startup_timeout_s=settings.startup_timeout_s,
                 port=free_port(),
                 extra_args=tuple(shlex.split(settings.extra_args)),
+                cpu=first.device.type == "cpu",
             )
         )
         url = [server.start().url]
