@@ -101,13 +101,14 @@ def test_a_finished_run_is_answered_before_anything_is_built(
     assert capsys.readouterr().err.startswith(complete)
     probe = PROBE.replace('"temper.trainer")', '"temper.trainer.trainer")')
     result = subprocess.run(
-        [sys.executable, "-c", probe, "--check_only", *run],
+        [sys.executable, "-c", probe, json.dumps([["--check_only", *run]])],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=300,
     )
-    assert json.loads(result.stdout.splitlines()[-1]) == [3, []], result.stderr  # no Engine
+    answer = result.stdout.splitlines()[-1].removeprefix("probe: ")
+    assert json.loads(answer) == [3, []], result.stderr  # no Engine
 
     env = {**os.environ, "TEMPER_PYTHON": sys.executable, "NGPU": "2"}
     result = subprocess.run(
@@ -140,38 +141,49 @@ def test_help_all_wraps_each_field_help_as_one_paragraph(
             assert len(line) + 1 + len(after.split()[0]) > width, block
 
 
+CASES = [
+    (["--help"], 0),
+    (["--help_all"], 0),
+    (["--list"], 0),
+    (["--training.stepz", "3"], 2),  # a flag tyro refuses
+    (["--training.steps", "-1"], 2),  # a section's rule
+    (["--parallelism.sp", "3"], 2),  # a registered component's rule
+]
+
 PROBE = """
 import json, sys
 from temper.train import main
-try:
-    code = main(sys.argv[1:])
-except SystemExit as stop:  # tyro exits itself on --help_all and a flag it refuses
-    code = stop.code
 heavy = ("torch._dynamo", "triton", "transformers", "temper.engine", "temper.trainer")
-print(json.dumps([code, [name for name in heavy if name in sys.modules]]))
+for argv in json.loads(sys.argv[1]):
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # tyro exits itself on --help_all and a flag it refuses
+        code = stop.code
+    print("probe:", json.dumps([code, [name for name in heavy if name in sys.modules]]))
 """
 
 
-@pytest.mark.parametrize(
-    ("argv", "code"),
-    [
-        (["--help"], 0),
-        (["--help_all"], 0),
-        (["--list"], 0),
-        (["--training.stepz", "3"], 2),  # a flag tyro refuses
-        (["--training.steps", "-1"], 2),  # a section's rule
-        (["--parallelism.sp", "3"], 2),  # a registered component's rule
-    ],
-)
+@pytest.fixture(scope="module")
+def probed() -> list[tuple[int, list[str]]]:
+    """Each case's exit code and the heavy modules imported once it is answered, the cases
+    one after another in one fresh process (imports only accumulate, so a case that imported
+    one shows it; one process instead of six saves about 20 s)."""
+    argvs = json.dumps([argv for argv, _ in CASES])
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, argvs], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    answers = [line for line in result.stdout.splitlines() if line.startswith("probe: ")]
+    assert len(answers) == len(CASES), result.stdout[-2000:] + result.stderr[-2000:]
+    return [tuple(json.loads(line.removeprefix("probe: "))) for line in answers]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[" ".join(a) for a, _ in CASES])
 def test_help_list_and_config_errors_import_neither_the_engine_nor_dynamo(
-    argv: list[str], code: int
+    case: int, probed: list[tuple[int, list[str]]]
 ) -> None:
     """These answer from the config, its registered rules and the catalogs alone, so they
     import neither the Engine and trainer nor what takes the most of a full import (dynamo
     and triton, about a second here; transformers is never imported by temper.train)."""
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300
-    )
-    answered, imported = json.loads(result.stdout.splitlines()[-1])
-    assert answered == code, result.stderr
+    answered, imported = probed[case]
+    assert answered == CASES[case][1], CASES[case][0]
     assert imported == []
