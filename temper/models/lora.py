@@ -14,6 +14,7 @@ import contextlib
 import fnmatch
 import math
 import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -194,6 +195,29 @@ def merge_adapters(
     return (base + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
 
 
+NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
+"""Where QLoRA's NF4 tensor lives; no NF4 tensor exists until it is imported."""
+
+
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor shard (a collective), or the tensor itself."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    """The whole tensor of a DTensor shard (a collective), or the tensor itself.
+
+    A row-sharded NF4 base (QLoRA under FSDP2) comes back dequantized: each rank dequantizes
+    its rows (whole NF4 blocks, so exactly the full tensor's rows) and the dense rows are
+    gathered. Gathering the NF4 shard itself (torchao's all-gather of its inner tensors under
+    ``DTensor.full_tensor``) corrupts the heap on gloo: a rank aborts with "malloc():
+    unaligned tcache chunk detected" and its peers see "connection reset by peer"."""
+    if not isinstance(value, DTensor):
+        return value
+    nf4 = sys.modules.get(NF4_MODULE)
+    local = value.to_local()
+    if nf4 is not None and isinstance(local, nf4.NF4Tensor):
+        value = DTensor.from_local(
+            local.get_original_weight(),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    return value.full_tensor()

@@ -32,9 +32,10 @@ def _config(folder: Path, layout) -> Config:
 
 
 def _train_rank(config: Config) -> dict:
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from temper.models.lora import lora_modules
+    from temper.models.lora import full_tensor, lora_modules
     from temper.optim.low_bit import tensor_bytes
     from temper.trainer import Trainer
 
@@ -46,16 +47,29 @@ def _train_rank(config: Config) -> dict:
     local = [w._local_tensor if isinstance(w, DTensor) else w for w in weights]
     with torch.no_grad():
         logits = model(IDS)
-        full = [w.full_tensor() if isinstance(w, DTensor) else w for w in weights]
+        # Dequantized whole weights as an export or a weight push gathers them (one at a time).
+        dense = [full_tensor(w).to(torch.float32) for w in weights]
+    codes = [t.quantized_data for t in local]
+    if dist.is_initialized():  # row shards: the whole codes are the ranks' in rank order
+        codes = [torch.cat(_all_gather(c)) for c in codes]
     metrics = Path(config.job.dump_folder) / "metrics.jsonl"
     return {
         "rows": [json.loads(line) for line in metrics.read_text().splitlines()],
         "resumed_from": resumed_from,
         "types": {type(t).__name__ for t in local},
         "local_bytes": sum(tensor_bytes(t) for t in local),
-        "codes": [t.quantized_data.clone() for t in full],
+        "codes": [c.clone() for c in codes],
+        "dense": dense,
         "logits": logits,
     }
+
+
+def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return parts
 
 
 def _run(config: Config, layout) -> list[dict]:
@@ -73,8 +87,11 @@ def test_qlora_fsdp2_equals_one_process_and_resumes(tmp_path: Path) -> None:
     ranks = _run(_config(tmp_path, FSDP2), FSDP2)
     sharded = ranks[0]
     assert single["types"] == {"NF4Tensor"} == sharded["types"]
-    # The gathered NF4 codes are one process's, and the run trains like it.
+    # The gathered NF4 codes are one process's, the gathered dequantized weights too (each
+    # rank dequantizes its rows), and the run trains like it.
     for ours, theirs in zip(sharded["codes"], single["codes"], strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(sharded["dense"], single["dense"], strict=True):
         assert torch.equal(ours, theirs)
     assert_same_metrics(sharded["rows"], single["rows"])
     torch.testing.assert_close(sharded["logits"], single["logits"], rtol=1e-5, atol=1e-5)
