@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from harness import run_on_ranks
 from training import FSDP2, SINGLE, assert_same_metrics, parity_config
 
@@ -32,7 +33,6 @@ def _config(folder: Path, layout) -> Config:
 
 
 def _train_rank(config: Config) -> dict:
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from temper.models.lora import full_tensor, lora_modules
@@ -65,8 +65,6 @@ def _train_rank(config: Config) -> dict:
 
 
 def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
-    import torch.distributed as dist
-
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())
     return parts

@@ -100,15 +100,7 @@ def test_a_finished_run_is_answered_before_anything_is_built(
     assert main(["--check_only", *run]) == 3
     assert capsys.readouterr().err.startswith(complete)
     probe = PROBE.replace('"temper.trainer")', '"temper.trainer.trainer")')
-    result = subprocess.run(
-        [sys.executable, "-c", probe, json.dumps([["--check_only", *run]])],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    answer = result.stdout.splitlines()[-1].removeprefix("probe: ")
-    assert json.loads(answer) == [3, []], result.stderr  # no Engine
+    assert run_probe(probe, [["--check_only", *run]]) == [(3, [])]  # no Engine
 
     env = {**os.environ, "TEMPER_PYTHON": sys.executable, "NGPU": "2"}
     result = subprocess.run(
@@ -163,18 +155,26 @@ for argv in json.loads(sys.argv[1]):
 """
 
 
-@pytest.fixture(scope="module")
-def probed() -> list[tuple[int, list[str]]]:
-    """Each case's exit code and the heavy modules imported once it is answered, the cases
-    one after another in one fresh process (imports only accumulate, so a case that imported
-    one shows it; one process instead of six saves about 20 s)."""
-    argvs = json.dumps([argv for argv, _ in CASES])
+def run_probe(probe: str, argvs: list[list[str]]) -> list[tuple[int, list[str]]]:
+    """Each command line's exit code and the heavy modules imported once it is answered, the
+    command lines one after another in one fresh process (imports only accumulate, so one
+    that imported a module shows it)."""
     result = subprocess.run(
-        [sys.executable, "-c", PROBE, argvs], capture_output=True, text=True, cwd=ROOT, timeout=300
+        [sys.executable, "-c", probe, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
     answers = [line for line in result.stdout.splitlines() if line.startswith("probe: ")]
-    assert len(answers) == len(CASES), result.stdout[-2000:] + result.stderr[-2000:]
+    assert len(answers) == len(argvs), result.stdout[-2000:] + result.stderr[-2000:]
     return [tuple(json.loads(line.removeprefix("probe: "))) for line in answers]
+
+
+@pytest.fixture(scope="module")
+def probed() -> list[tuple[int, list[str]]]:
+    """The cases in one process instead of six (about 20 s less)."""
+    return run_probe(PROBE, [argv for argv, _ in CASES])
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[" ".join(a) for a, _ in CASES])
