@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from temper.data import build_text_loader, load_tokenizer
 from temper.parallel.dims import ParallelDims
 from temper.recipes.llama3 import llama3_debug
 from temper.trainer import Trainer
+from temper.utils.compat import OpOverload, TorchDispatchMode
 from temper.utils.device import Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,3 +186,58 @@ def test_expert_init_is_one_process_draw_in_one_collective_per_read() -> None:
     for weight, messages in run_on_ranks(_expert_init_draw, 2, 3):
         torch.testing.assert_close(weight, expected, rtol=0, atol=0)
         assert not [m for m in messages if "sequential" in m], messages
+
+
+def _layer_init_draw(seed: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from temper.models.layers.init import trunc_normal_
+    from temper.parallel.sharded_init import layout_invariant_init
+
+    dist.init_process_group("gloo")
+    d = ParallelDims.from_config(Parallelism(ep=2), dist.get_world_size())
+    mesh = d.build_meshes("cpu").expert["efsdp", "ep"]
+    weight = distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0), Shard(0)])
+    torch.manual_seed(seed)
+    # Entered first, so it also sees what the init mode runs.
+    with _CountCollectives() as layers, layout_invariant_init():
+        trunc_normal_(weight, std=2.0)
+    in_mode = weight.full_tensor()
+    torch.manual_seed(seed)
+    with _CountCollectives() as plain:
+        trunc_normal_(weight, std=2.0)
+    alone = weight.full_tensor()
+    with _CountCollectives() as read_whole:  # the counter sees DTensor's collectives
+        weight.full_tensor()
+    return in_mode, alone, layers.count + plain.count, read_whole.count
+
+
+class _CountCollectives(TorchDispatchMode):
+    """Counts the collectives run under it (DTensor's are functional c10d ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.count += func.namespace in ("_c10d_functional", "c10d")
+        return func(*args, **(kwargs or {}))
+
+
+def test_layer_init_draws_one_process_numbers_without_collectives() -> None:
+    """The layers' trunc_normal_ draws into a whole plain tensor and a sharded weight takes
+    its part: one process's numbers, under the Engine's init mode or not, and no collective
+    (torch 2.13's rejection sampler, run on the DTensor, reads it whole after each pass)."""
+    torch.manual_seed(3)
+    expected = torch.nn.init.trunc_normal_(torch.zeros(8, 6), std=2.0, a=-6.0, b=6.0)
+    for in_mode, alone, ours, read_whole in run_on_ranks(_layer_init_draw, 2, 3):
+        torch.testing.assert_close(in_mode, expected, rtol=0, atol=0)
+        torch.testing.assert_close(alone, expected, rtol=0, atol=0)
+        assert ours == 0 and read_whole > 0, (ours, read_whole)

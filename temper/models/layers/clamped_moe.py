@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.kernels.grouped_gemm import grouped_mm
-from temper.models.layers.init import init_linear
+from temper.models.layers.init import init_linear, trunc_normal_
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class ClampedSwiGLUExperts(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         """``out_std`` is for ``down``, which writes into the residual stream."""
         for w, s in ((self.gate_up, std), (self.down, out_std)):
-            nn.init.trunc_normal_(w, std=s, a=-3 * s, b=3 * s)
+            trunc_normal_(w, s)
         nn.init.zeros_(self.gate_up_bias)
         nn.init.zeros_(self.down_bias)
 

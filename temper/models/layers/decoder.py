@@ -36,7 +36,7 @@ from temper.kernels.dispatch import REFERENCE, Kernels
 from temper.models.layers.args import DecoderArgs
 from temper.models.layers.attention import Attention
 from temper.models.layers.context import ForwardContext
-from temper.models.layers.init import depth_scaled_std
+from temper.models.layers.init import depth_scaled_std, trunc_normal_
 from temper.models.layers.kv_cache import KVCache
 from temper.models.layers.mlp import FeedForward
 from temper.models.layers.moe import MoE, RoutingStats, keep_routing
@@ -236,7 +236,7 @@ class Decoder(LanguageModel):
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
         if not args.tie_embeddings:
-            nn.init.trunc_normal_(self.output.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
+            trunc_normal_(self.output.weight, INIT_STD)
 
     def embed_inputs(
         self,

@@ -17,6 +17,7 @@ from temper.kernels.dispatch import REFERENCE, Impl, Kernels
 from temper.kernels.grouped_gemm import grouped_mm
 from temper.kernels.moe_permute import permute as permute_rows
 from temper.kernels.swiglu import swiglu
+from temper.models.layers.init import trunc_normal_
 
 Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """An experts module's forward (rows sorted by expert, offsets) -> outputs, bound to the
@@ -50,7 +51,7 @@ class GroupedExperts(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         """``out_std`` is for ``w2``, which writes into the residual stream."""
         for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
-            nn.init.trunc_normal_(w, std=s, a=-3 * s, b=3 * s)
+            trunc_normal_(w, s)
 
     def forward(
         self, x: torch.Tensor, offsets: torch.Tensor, kernels: Kernels = REFERENCE

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from temper.models.layers.init import trunc_normal_
+
 
 class GroupedLinear(nn.Module):
     """``n_groups`` maps of ``in_features`` -> ``out_features // n_groups``, stored as one
@@ -26,7 +28,7 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def init_weights(self, std: float) -> None:
-        nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
+        trunc_normal_(self.weight, std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n_groups, in_features] -> [..., n_groups, out_features // n_groups]."""

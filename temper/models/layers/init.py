@@ -2,12 +2,29 @@
 
 import math
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def trunc_normal_(weight: torch.Tensor, std: float) -> None:
+    """Truncated normal cut at 3 std (no outliers at init).
+
+    Drawn into a plain tensor of the weight's full shape and copied in, a sharded weight
+    taking its part: one process's numbers at any layout, and none of the collectives
+    torch's rejection sampler (redraw until nothing is out of range) would run reading a
+    sharded weight whole after each pass."""
+    whole = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    nn.init.trunc_normal_(whole, std=std, a=-3 * std, b=3 * std)
+    if isinstance(weight, DTensor):
+        whole = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
+    with torch.no_grad():
+        weight.copy_(whole)
 
 
 def init_linear(linear: nn.Linear, std: float) -> None:
-    """Truncated normal cut at 3 std (no outliers at init), zero bias."""
-    nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+    """Truncated normal cut at 3 std, zero bias."""
+    trunc_normal_(linear.weight, std)
     if linear.bias is not None:
         nn.init.zeros_(linear.bias)
 

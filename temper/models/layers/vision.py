@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from temper.kernels.dispatch import Kernels
+from temper.models.layers.init import trunc_normal_
 from temper.models.layers.rope import apply_rope
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -229,10 +230,10 @@ class VisionTower(nn.Module):
         self.inv_freq.copy_(self.rope_inv_freq())
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+                trunc_normal_(module.weight, std)
                 nn.init.zeros_(module.bias)
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
-        nn.init.trunc_normal_(self.patch_embed["weight"], std=std, a=-3 * std, b=3 * std)
+        trunc_normal_(self.patch_embed["weight"], std)
         nn.init.zeros_(self.patch_embed["bias"])
         nn.init.normal_(self.pos_embed.weight, std=std)
