@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from temper.data import build_text_loader, load_tokenizer
 from temper.parallel.dims import ParallelDims
 from temper.recipes.llama3 import llama3_debug
 from temper.trainer import Trainer
-from temper.utils.compat import OpOverload, TorchDispatchMode
 from temper.utils.device import Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,6 +189,7 @@ def test_expert_init_is_one_process_draw_in_one_collective_per_read() -> None:
 def _layer_init_draw(seed: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from temper.models.layers.init import trunc_normal_
     from temper.parallel.sharded_init import layout_invariant_init
@@ -201,34 +200,21 @@ def _layer_init_draw(seed: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     weight = distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0), Shard(0)])
     torch.manual_seed(seed)
     # Entered first, so it also sees what the init mode runs.
-    with _CountCollectives() as layers, layout_invariant_init():
+    with CommDebugMode() as layers, layout_invariant_init():
         trunc_normal_(weight, std=2.0)
     in_mode = weight.full_tensor()
     torch.manual_seed(seed)
-    with _CountCollectives() as plain:
+    with CommDebugMode() as plain:
         trunc_normal_(weight, std=2.0)
     alone = weight.full_tensor()
-    with _CountCollectives() as read_whole:  # the counter sees DTensor's collectives
+    with CommDebugMode() as read_whole:  # the counter sees DTensor's collectives
         weight.full_tensor()
-    return in_mode, alone, layers.count + plain.count, read_whole.count
-
-
-class _CountCollectives(TorchDispatchMode):
-    """Counts the collectives run under it (DTensor's are functional c10d ops)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(
-        self,
-        func: OpOverload,
-        types: tuple[type, ...],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        self.count += func.namespace in ("_c10d_functional", "c10d")
-        return func(*args, **(kwargs or {}))
+    return (
+        in_mode,
+        alone,
+        layers.get_total_counts() + plain.get_total_counts(),
+        read_whole.get_total_counts(),
+    )
 
 
 def test_layer_init_draws_one_process_numbers_without_collectives() -> None:

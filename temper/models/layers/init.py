@@ -10,16 +10,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 def trunc_normal_(weight: torch.Tensor, std: float) -> None:
     """Truncated normal cut at 3 std (no outliers at init).
 
-    Drawn into a plain tensor of the weight's full shape and copied in, a sharded weight
-    taking its part: one process's numbers at any layout, and none of the collectives
-    torch's rejection sampler (redraw until nothing is out of range) would run reading a
-    sharded weight whole after each pass."""
-    whole = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    nn.init.trunc_normal_(whole, std=std, a=-3 * std, b=3 * std)
-    if isinstance(weight, DTensor):
-        whole = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
-    with torch.no_grad():
-        weight.copy_(whole)
+    A sharded weight is drawn as a plain tensor of its full shape and takes its part: one
+    process's numbers at any layout, and none of the collectives torch's rejection sampler
+    (redraw until nothing is out of range) would run reading the shards whole each pass."""
+    sharded = isinstance(weight, DTensor)
+    drawn = (
+        torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if sharded else weight
+    )
+    nn.init.trunc_normal_(drawn, std=std, a=-3 * std, b=3 * std)
+    if sharded:
+        with torch.no_grad():
+            weight.copy_(
+                distribute_tensor(drawn, weight.device_mesh, weight.placements, src_data_rank=None)
+            )
 
 
 def init_linear(linear: nn.Linear, std: float) -> None:
